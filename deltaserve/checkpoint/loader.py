@@ -1,0 +1,60 @@
+"""Build a text model from a checkpoint folder: config -> empty model -> tensors checked and copied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltaserve.checkpoint.reader import TensorIndex, read_config
+from deltaserve.config import TextConfig
+from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.models.registry import text_config_for, text_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, raw_config: dict[str, Any]) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (bfloat16 for the published models)."""
+    if dtype == "auto":
+        text = raw_config.get("text_config", raw_config)
+        dtype = str(text.get("dtype") or text.get("torch_dtype") or raw_config.get("dtype") or "bfloat16")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unsupported dtype '{dtype}' (choose auto, {', '.join(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """CPUs here lack fast bf16 GEMMs and bf16 activations lose accuracy: compute in fp32 on CPU."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
+    raw = read_config(model_dir)
+    cfg = text_config_for(raw)
+    param_dtype = resolve_dtype(dtype, raw)
+    dev = torch.device(device)
+    cls = text_model_class(raw["model_type"])
+    with torch.device("meta"):
+        model = cls(cfg, param_dtype, activation_dtype(param_dtype, dev))
+    model = model.to_empty(device=dev)
+    _copy_weights(model, cfg, TensorIndex.scan(model_dir))
+    return model.eval(), cfg, raw
+
+
+def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex) -> None:
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in index.locations]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor '{missing[0]}'{more}")
+    for name, tensor in index.tensors(list(params)):
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(param.shape)}"
+            )
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"tensor '{name}' has dtype {tensor.dtype}; expected a float type")
+        param.data.copy_(tensor)

@@ -1,0 +1,37 @@
+"""Every DELTASERVE_* environment knob, typed, read in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    cache_dir: Path  # DELTASERVE_CACHE_DIR: default model, built tokenizer files
+    reference_ops: bool  # DELTASERVE_REFERENCE_OPS=1: every op runs its plain torch reference
+    num_threads: int  # DELTASERVE_NUM_THREADS: torch intra-op threads on CPU (0 = torch default)
+    offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
+
+    @classmethod
+    def read(cls) -> Env:
+        cache = os.environ.get("DELTASERVE_CACHE_DIR") or str(Path.home() / ".cache" / "deltaserve")
+        return cls(
+            cache_dir=Path(cache),
+            reference_ops=_flag("DELTASERVE_REFERENCE_OPS"),
+            num_threads=int(os.environ.get("DELTASERVE_NUM_THREADS", "0") or 0),
+            offline=_flag("HF_HUB_OFFLINE"),
+        )
+
+
+def env() -> Env:
+    """Read the environment now (tests change it between calls, so nothing is cached)."""
+    return Env.read()

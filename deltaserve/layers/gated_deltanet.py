@@ -1,0 +1,57 @@
+"""Gated DeltaNet layer: fused in-projections, causal conv + SiLU, delta-rule scan, gated norm, out."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import TextConfig
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.norm import GatedRMSNorm
+from deltaserve.ops.conv1d import causal_conv1d
+from deltaserve.ops.gdn import gdn_chunked, gdn_step, l2norm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        hidden = cfg.hidden_size
+        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, dtype)  # [q HK | k HK | v HV*V]
+        self.in_proj_z = Linear(hidden, self.value_dim, dtype)
+        self.in_proj_b = Linear(hidden, self.num_v_heads, dtype)
+        self.in_proj_a = Linear(hidden, self.num_v_heads, dtype)
+        # conv weight [C,1,W] as in the checkpoint; small, so kept in fp32 with the other 1-D params
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), False)
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, hidden, dtype)
+
+    def forward(
+        self, x: torch.Tensor, conv_window: torch.Tensor, recurrent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,T,N] -> ([B,T,N], new conv window [B,C,W-1]); `recurrent` [B,HV,K,V] is updated in place."""
+        bsz, seq_len, _ = x.shape
+        qkv, conv_window = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], conv_window)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)) * self.k_dim**-0.5
+        k = l2norm(k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim))
+        v = v.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
+        if self.num_v_heads != self.num_k_heads:  # value head h reads key head h // (HV/H)
+            repeat = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        beta = torch.sigmoid(self.in_proj_b(x).float())  # [B,T,HV]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if seq_len == 1:
+            o = gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent).unsqueeze(1)
+        else:
+            o, final = gdn_chunked(q, k, v, g, beta, recurrent)
+            recurrent.copy_(final)
+        z = self.in_proj_z(x).reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
+        o = self.norm(o, z, x.dtype).reshape(bsz, seq_len, self.value_dim)
+        return self.out_proj(o), conv_window

@@ -1,0 +1,96 @@
+"""Qwen3.5 hybrid decoder (model_type qwen3_5 / qwen3_5_text, and the LM inside minicpmv4_6)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.cache.state import SequenceState
+from deltaserve.config import FULL, TextConfig
+from deltaserve.layers.attention import GatedAttention
+from deltaserve.layers.gated_deltanet import GatedDeltaNet
+from deltaserve.layers.linear import linear
+from deltaserve.layers.mlp import MLP
+from deltaserve.layers.norm import RMSNorm
+from deltaserve.layers.rotary import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.is_full = cfg.layer_types[layer_idx] == FULL
+        if self.is_full:
+            self.self_attn = GatedAttention(cfg, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, idx: int, state: SequenceState, cos_sin) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_full:
+            h = self.self_attn(h, cos_sin, state.kv[idx])
+        else:
+            h, state.conv[idx] = self.linear_attn(h, state.conv[idx], state.recurrent[idx])
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` in the checkpoint: embed_tokens, layers.*, norm."""
+
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Forward = embed, 3:1 GDN/attention decoder, final norm, head (tied to the embedding or not)."""
+
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.act_dtype = cfg, dtype, act_dtype
+        self.model = Backbone(cfg, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), False)
+        self._rotary: Rotary | None = None
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def new_state(self, batch_size: int = 1) -> SequenceState:
+        return SequenceState.empty(self.cfg, batch_size, self.act_dtype, self.head_weight.device)
+
+    def rotary(self) -> Rotary:
+        if self._rotary is None:
+            device = self.head_weight.device
+            self._rotary = Rotary(self.cfg.rotary_dim, self.cfg.rope_theta, device)
+        return self._rotary
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]."""
+        seq_len = input_ids.shape[1]
+        x = self.model.embed_tokens(input_ids).to(self.act_dtype)
+        positions = torch.arange(state.position, state.position + seq_len, device=x.device)
+        cos_sin = self.rotary().cos_sin(positions, self.act_dtype)
+        for idx, layer in enumerate(self.model.layers):
+            x = layer(x, idx, state, cos_sin)
+        state.position += seq_len
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, state: SequenceState, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Logits [B,T,vocab] fp32 if all_logits, else only the last position's [B,vocab]."""
+        h = self.hidden_states(input_ids, state)
+        if not all_logits:
+            h = h[:, -1]
+        return linear(h, self.head_weight).float()

@@ -1,0 +1,112 @@
+"""Gated delta rule: the sequential recurrence (the spec), the chunked prefill form and the decode step.
+
+All take q and k already L2-normalised (q also scaled by K^-0.5) and expanded to HV heads, and keep
+the recurrent state in fp32: S <- S*exp(g); d = (v - S^T k)*beta; S <- S + k d^T; o = S^T q.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) in fp32: eps sits on the sum, as transformers and fla place it."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_recurrent_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence. q, k [B,T,HV,K]; v [B,T,HV,V]; g, beta [B,T,HV]; state [B,HV,K,V].
+
+    Returns (o [B,T,HV,V] fp32, final state [B,HV,K,V] fp32).
+    """
+    bsz, seq_len, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    s = torch.zeros(bsz, num_heads, k_dim, v_dim) if state is None else state.float().clone()
+    s = s.to(q.device)
+    out = torch.empty(bsz, seq_len, num_heads, v_dim, dtype=torch.float32, device=q.device)
+    for t in range(seq_len):
+        s = s * g[:, t].float().exp()[..., None, None]
+        kv = torch.einsum("bhkv,bhk->bhv", s, k[:, t].float())
+        delta = (v[:, t].float() - kv) * beta[:, t].float()[..., None]
+        s = s + k[:, t].float()[..., None] * delta[..., None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t].float())
+    return out, s
+
+
+def gdn_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step, updating `state` in place. q, k [B,HV,K]; v [B,HV,V]; g, beta [B,HV].
+
+    state [B,HV,K,V] fp32. Returns o [B,HV,V] fp32.
+    """
+    state.mul_(g.float().exp()[..., None, None])
+    kv = torch.matmul(k.float().unsqueeze(-2), state).squeeze(-2)  # [B,HV,V]
+    delta = (v.float() - kv) * beta.float()[..., None]
+    state.add_(k.float().unsqueeze(-1) * delta.unsqueeze(-2))
+    return torch.matmul(q.float().unsqueeze(-2), state).squeeze(-2)
+
+
+def gdn_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    chunk_len: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY / UT-transform) form of gdn_recurrent_ref; same arguments and results.
+
+    Inside a chunk the delta-rule updates collapse into a unit-lower-triangular solve and a few GEMMs;
+    across chunks a short sequential scan carries the state. Any T (the tail chunk is zero-padded:
+    k = beta = g = 0 leaves the state untouched).
+    """
+    bsz, seq_len, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    pad = (-seq_len) % chunk_len
+    # [B,HV,T,*] fp32, padded to a multiple of chunk_len, then split into [B,HV,NC,L,*]
+    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
+    num_chunks = (seq_len + pad) // chunk_len
+    q, k, v = (x.reshape(bsz, num_heads, num_chunks, chunk_len, -1) for x in (q, k, v))
+    g = g.reshape(bsz, num_heads, num_chunks, chunk_len).cumsum(-1)  # cumulative log-decay G
+    beta = beta.reshape(bsz, num_heads, num_chunks, chunk_len, 1)
+
+    causal = torch.ones(chunk_len, chunk_len, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(G_i - G_j) for j <= i (all exponents <= 0, so nothing overflows)
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~causal.tril(-1), 0.0)  # strictly lower part L of (I + L)
+    eye = torch.eye(chunk_len, device=q.device)
+    rhs = torch.cat([v * beta, k_beta * g.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :v_dim], solved[..., v_dim:]  # u [..,L,V]; w [..,L,K]
+    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk scores, diagonal included
+    q_decayed = q * g.exp().unsqueeze(-1)
+    k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    chunk_decay = g[..., -1].exp()[..., None, None]  # [B,HV,NC,1,1]
+
+    s = torch.zeros(bsz, num_heads, k_dim, v_dim, device=q.device) if state is None else state.float()
+    out = torch.empty(bsz, num_heads, num_chunks, chunk_len, v_dim, device=q.device)
+    for c in range(num_chunks):
+        v_new = u[:, :, c] - w[:, :, c] @ s
+        out[:, :, c] = q_decayed[:, :, c] @ s + attn[:, :, c] @ v_new
+        s = s * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    out = out.reshape(bsz, num_heads, -1, v_dim)[:, :, :seq_len].transpose(1, 2)
+    return out, s
