@@ -30,12 +30,19 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, *
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                enable_thinking: bool = True, **kwargs: Any) -> str:  # fmt: skip
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = True,
+    **kwargs: Any,
+) -> str:
     """Messages (OpenAI shape) to prompt text; `enable_thinking` switches Qwen3.5's thinking mode."""
     if tokenizer.chat_template is None:
         raise RequestError("this checkpoint has no chat template; use `generate` with a raw prompt")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m for m in messages
+    ):
         raise RequestError("messages must be a list of objects with a 'role'")
     try:
         template = _env().from_string(tokenizer.chat_template)

@@ -54,13 +54,17 @@ class TextConfig:
         if bad:
             raise ConfigError(f"config.json: unknown layer type(s) {bad}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+            raise ConfigError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(
                 "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
             )
         if self.hidden_act != "silu":
-            raise ConfigError(f"config.json: hidden_act '{self.hidden_act}' is not supported (silu)")
+            raise ConfigError(
+                f"config.json: hidden_act '{self.hidden_act}' is not supported (silu)"
+            )
 
     @property
     def rotary_dim(self) -> int:
@@ -116,7 +120,9 @@ class TextConfig:
             layer_types=tuple(layer_types),
             num_attention_heads=int(get("num_attention_heads")),
             num_key_value_heads=int(get("num_key_value_heads")),
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+            head_dim=int(
+                text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+            ),
             linear_num_key_heads=int(get("linear_num_key_heads")),
             linear_num_value_heads=int(get("linear_num_value_heads")),
             linear_key_head_dim=int(get("linear_key_head_dim")),

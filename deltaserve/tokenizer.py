@@ -37,12 +37,15 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def special_ids(self) -> set[int]:
-        return {t.id for t in self._tok.get_added_tokens_decoder().values() if t.special} if hasattr(
-            self._tok, "get_added_tokens_decoder"
-        ) else set()
+        return (
+            {t.id for t in self._tok.get_added_tokens_decoder().values() if t.special}
+            if hasattr(self._tok, "get_added_tokens_decoder")
+            else set()
+        )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:  # fmt: skip
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         from deltaserve.chat import render_chat
 
         return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -18,8 +18,10 @@ def default_model_dir() -> Path:
         from deltaserve.checkpoint.presets import preset
         from deltaserve.checkpoint.writer import write_checkpoint
 
-        print(f"deltaserve: making the default model (tiny preset, RANDOM weights) in {out}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"deltaserve: making the default model (tiny preset, RANDOM weights) in {out}",
+            file=sys.stderr,
+        )
         tmp = out.with_name(out.name + ".tmp")
         write_checkpoint(preset("tiny"), tmp, seed=DEFAULT_SEED)
         tmp.replace(out) if not out.exists() else _replace_dir(tmp, out)

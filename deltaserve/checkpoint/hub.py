@@ -17,7 +17,9 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"model '{model}' is a file; pass the checkpoint folder that holds it")
+        raise CheckpointError(
+            f"model '{model}' is a file; pass the checkpoint folder that holds it"
+        )
     text = str(model)
     if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
         raise CheckpointError(f"model folder '{model}' does not exist")
@@ -33,7 +35,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
             RepositoryNotFoundError,
         )
     except ImportError as exc:  # pragma: no cover - it is a runtime dependency
-        raise CheckpointError(f"'{repo_id}' is not a local folder and huggingface_hub is missing") from exc
+        raise CheckpointError(
+            f"'{repo_id}' is not a local folder and huggingface_hub is missing"
+        ) from exc
     try:
         # snapshot_download shows a tqdm progress bar per file unless HF_HUB_DISABLE_PROGRESS_BARS=1
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_PATTERNS))

@@ -10,6 +10,7 @@ import torch
 from deltaserve.checkpoint.reader import TensorIndex, read_config
 from deltaserve.config import TextConfig
 from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.layers.linear import Linear
 from deltaserve.models.registry import text_config_for, text_model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,7 +20,9 @@ def resolve_dtype(dtype: str, raw_config: dict[str, Any]) -> torch.dtype:
     """'auto' takes the checkpoint's dtype (bfloat16 for the published models)."""
     if dtype == "auto":
         text = raw_config.get("text_config", raw_config)
-        dtype = str(text.get("dtype") or text.get("torch_dtype") or raw_config.get("dtype") or "bfloat16")
+        dtype = str(
+            text.get("dtype") or text.get("torch_dtype") or raw_config.get("dtype") or "bfloat16"
+        )
     if dtype not in _DTYPES:
         raise ConfigError(f"unsupported dtype '{dtype}' (choose auto, {', '.join(_DTYPES)})")
     return _DTYPES[dtype]
@@ -43,18 +46,35 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
     return model.eval(), cfg, raw
 
 
+def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the tensor (a parameter, or a row slice of a packed Linear) it fills."""
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, Linear) or module.parts is None:
+            targets[name] = param.data
+            continue
+        parent = module_name.rpartition(".")[0]
+        for part, rows in zip(module.parts, param.data.split(module.out_sizes), strict=True):
+            targets[f"{parent}.{part}.{leaf}"] = rows
+    return targets
+
+
 def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex) -> None:
-    params = dict(model.named_parameters())
-    missing = [name for name in params if name not in index.locations]
+    targets = checkpoint_targets(model)
+    missing = [name for name in targets if name not in index.locations]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor '{missing[0]}'{more}")
-    for name, tensor in index.tensors(list(params)):
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
+    for name, tensor in index.tensors(list(targets)):
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
-                f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(param.shape)}"
+                f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(target.shape)}"
             )
         if not tensor.dtype.is_floating_point:
-            raise CheckpointError(f"tensor '{name}' has dtype {tensor.dtype}; expected a float type")
-        param.data.copy_(tensor)
+            raise CheckpointError(
+                f"tensor '{name}' has dtype {tensor.dtype}; expected a float type"
+            )
+        target.copy_(tensor)

@@ -83,7 +83,9 @@ class TensorIndex:
                     try:
                         yield ours, handle.get_tensor(self.locations[ours][1])
                     except Exception as exc:  # safetensors raises its own error types
-                        raise CheckpointError(f"cannot read tensor '{ours}' from {file}: {exc}") from exc
+                        raise CheckpointError(
+                            f"cannot read tensor '{ours}' from {file}: {exc}"
+                        ) from exc
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -95,7 +97,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"shard(s) listed in {INDEX_NAME} are missing: {', '.join(missing)}")
+            raise CheckpointError(
+                f"shard(s) listed in {INDEX_NAME} are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import Preset
 
@@ -32,37 +29,55 @@ def _lm_layer(prefix: str, t: dict[str, Any], is_full: bool, small_f32: bool) ->
     h, inter = t["hidden_size"], t["intermediate_size"]
     f32 = F32 if small_f32 else BF16
     s = lambda n, shape, dt=BF16, init="normal": TensorSpec(prefix + n, shape, dt, init)  # noqa: E731
-    out = [s("input_layernorm.weight", (h,), init="zeros_centred"),
-           s("post_attention_layernorm.weight", (h,), init="zeros_centred"),
-           s("mlp.gate_proj.weight", (inter, h)), s("mlp.up_proj.weight", (inter, h)),
-           s("mlp.down_proj.weight", (h, inter))]  # fmt: skip
+    out = [
+        s("input_layernorm.weight", (h,), init="zeros_centred"),
+        s("post_attention_layernorm.weight", (h,), init="zeros_centred"),
+        s("mlp.gate_proj.weight", (inter, h)),
+        s("mlp.up_proj.weight", (inter, h)),
+        s("mlp.down_proj.weight", (h, inter)),
+    ]
     if is_full:
         q, kv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-        out += [s("self_attn.q_proj.weight", (2 * q * d, h)), s("self_attn.k_proj.weight", (kv * d, h)),
-                s("self_attn.v_proj.weight", (kv * d, h)), s("self_attn.o_proj.weight", (h, q * d)),
-                s("self_attn.q_norm.weight", (d,), init="zeros_centred"),
-                s("self_attn.k_norm.weight", (d,), init="zeros_centred")]  # fmt: skip
+        out += [
+            s("self_attn.q_proj.weight", (2 * q * d, h)),
+            s("self_attn.k_proj.weight", (kv * d, h)),
+            s("self_attn.v_proj.weight", (kv * d, h)),
+            s("self_attn.o_proj.weight", (h, q * d)),
+            s("self_attn.q_norm.weight", (d,), init="zeros_centred"),
+            s("self_attn.k_norm.weight", (d,), init="zeros_centred"),
+        ]
         return out
     hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
     conv = 2 * hk * dk + hv * dv
-    out += [s("linear_attn.in_proj_qkv.weight", (conv, h)), s("linear_attn.in_proj_z.weight", (hv * dv, h)),
-            s("linear_attn.in_proj_b.weight", (hv, h)), s("linear_attn.in_proj_a.weight", (hv, h)),
-            s("linear_attn.conv1d.weight", (conv, 1, t["linear_conv_kernel_dim"]), init="conv"),
-            s("linear_attn.dt_bias", (hv,), init="dt_bias"), s("linear_attn.A_log", (hv,), f32, "a_log"),
-            s("linear_attn.norm.weight", (dv,), f32, "ones_noisy"),
-            s("linear_attn.out_proj.weight", (h, hv * dv))]  # fmt: skip
+    out += [
+        s("linear_attn.in_proj_qkv.weight", (conv, h)),
+        s("linear_attn.in_proj_z.weight", (hv * dv, h)),
+        s("linear_attn.in_proj_b.weight", (hv, h)),
+        s("linear_attn.in_proj_a.weight", (hv, h)),
+        s("linear_attn.conv1d.weight", (conv, 1, t["linear_conv_kernel_dim"]), init="conv"),
+        s("linear_attn.dt_bias", (hv,), init="dt_bias"),
+        s("linear_attn.A_log", (hv,), f32, "a_log"),
+        s("linear_attn.norm.weight", (dv,), f32, "ones_noisy"),
+        s("linear_attn.out_proj.weight", (h, hv * dv)),
+    ]
     return out
 
 
 def lm_specs(t: dict[str, Any], prefix: str, small_f32: bool) -> list[TensorSpec]:
     """Language-model tensors; `prefix` is 'model.language_model.' (nested) or 'model.' (flat)."""
-    specs = [TensorSpec(prefix + "embed_tokens.weight", (t["vocab_size"], t["hidden_size"]), BF16, "normal")]
+    specs = [
+        TensorSpec(
+            prefix + "embed_tokens.weight", (t["vocab_size"], t["hidden_size"]), BF16, "normal"
+        )
+    ]
     for i, kind in enumerate(t["layer_types"]):
         specs += _lm_layer(f"{prefix}layers.{i}.", t, kind == "full_attention", small_f32)
     specs.append(TensorSpec(prefix + "norm.weight", (t["hidden_size"],), BF16, "zeros_centred"))
     if not t["tie_word_embeddings"]:
-        specs.append(TensorSpec("lm_head.weight", (t["vocab_size"], t["hidden_size"]), BF16, "normal"))
+        specs.append(
+            TensorSpec("lm_head.weight", (t["vocab_size"], t["hidden_size"]), BF16, "normal")
+        )
     return specs
 
 
@@ -78,33 +93,55 @@ def qwen_vision_specs(v: dict[str, Any]) -> list[TensorSpec]:
     vh, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
     p, tp, merged = v["patch_size"], v["temporal_patch_size"], vh * v["spatial_merge_size"] ** 2
     s = lambda n, shape: TensorSpec("model.visual." + n, shape, BF16, "normal")  # noqa: E731
-    specs = [s("patch_embed.proj.weight", (vh, v["in_channels"], tp, p, p)), s("patch_embed.proj.bias", (vh,)),
-             s("pos_embed.weight", (v["num_position_embeddings"], vh))]  # fmt: skip
+    specs = [
+        s("patch_embed.proj.weight", (vh, v["in_channels"], tp, p, p)),
+        s("patch_embed.proj.bias", (vh,)),
+        s("pos_embed.weight", (v["num_position_embeddings"], vh)),
+    ]
     for i in range(v["depth"]):
         b = f"blocks.{i}."
-        specs += [s(b + "norm1.weight", (vh,)), s(b + "norm1.bias", (vh,)), s(b + "norm2.weight", (vh,)),
-                  s(b + "norm2.bias", (vh,)), s(b + "attn.qkv.weight", (3 * vh, vh)),
-                  s(b + "attn.qkv.bias", (3 * vh,)), s(b + "attn.proj.weight", (vh, vh)),
-                  s(b + "attn.proj.bias", (vh,)), s(b + "mlp.linear_fc1.weight", (vi, vh)),
-                  s(b + "mlp.linear_fc1.bias", (vi,)), s(b + "mlp.linear_fc2.weight", (vh, vi)),
-                  s(b + "mlp.linear_fc2.bias", (vh,))]  # fmt: skip
-    return specs + [s("merger.norm.weight", (vh,)), s("merger.norm.bias", (vh,)),
-                    s("merger.linear_fc1.weight", (merged, merged)), s("merger.linear_fc1.bias", (merged,)),
-                    s("merger.linear_fc2.weight", (out, merged)), s("merger.linear_fc2.bias", (out,))]  # fmt: skip
+        specs += [
+            s(b + "norm1.weight", (vh,)),
+            s(b + "norm1.bias", (vh,)),
+            s(b + "norm2.weight", (vh,)),
+            s(b + "norm2.bias", (vh,)),
+            s(b + "attn.qkv.weight", (3 * vh, vh)),
+            s(b + "attn.qkv.bias", (3 * vh,)),
+            s(b + "attn.proj.weight", (vh, vh)),
+            s(b + "attn.proj.bias", (vh,)),
+            s(b + "mlp.linear_fc1.weight", (vi, vh)),
+            s(b + "mlp.linear_fc1.bias", (vi,)),
+            s(b + "mlp.linear_fc2.weight", (vh, vi)),
+            s(b + "mlp.linear_fc2.bias", (vh,)),
+        ]
+    return specs + [
+        s("merger.norm.weight", (vh,)),
+        s("merger.norm.bias", (vh,)),
+        s("merger.linear_fc1.weight", (merged, merged)),
+        s("merger.linear_fc1.bias", (merged,)),
+        s("merger.linear_fc2.weight", (out, merged)),
+        s("merger.linear_fc2.bias", (out,)),
+    ]
 
 
 def _linear_pair(prefix: str, out_dim: int, in_dim: int) -> list[TensorSpec]:
-    return [TensorSpec(prefix + ".weight", (out_dim, in_dim), BF16, "normal"),
-            TensorSpec(prefix + ".bias", (out_dim,), BF16, "normal")]  # fmt: skip
+    return [
+        TensorSpec(prefix + ".weight", (out_dim, in_dim), BF16, "normal"),
+        TensorSpec(prefix + ".bias", (out_dim,), BF16, "normal"),
+    ]
 
 
 def minicpm_vision_specs(v: dict[str, Any], text_hidden: int) -> list[TensorSpec]:
     vh, vi, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
     grid = (v["image_size"] // p) ** 2
     vt = "model.vision_tower."
-    specs = [TensorSpec(vt + "embeddings.patch_embedding.weight", (vh, v["num_channels"], p, p), BF16, "normal"),
-             TensorSpec(vt + "embeddings.patch_embedding.bias", (vh,), BF16, "normal"),
-             TensorSpec(vt + "embeddings.position_embedding.weight", (grid, vh), BF16, "normal")]  # fmt: skip
+    specs = [
+        TensorSpec(
+            vt + "embeddings.patch_embedding.weight", (vh, v["num_channels"], p, p), BF16, "normal"
+        ),
+        TensorSpec(vt + "embeddings.patch_embedding.bias", (vh,), BF16, "normal"),
+        TensorSpec(vt + "embeddings.position_embedding.weight", (grid, vh), BF16, "normal"),
+    ]
     for i in range(v["num_hidden_layers"]):
         b = f"{vt}encoder.layers.{i}."
         for ln in ("layer_norm1", "layer_norm2"):
@@ -112,17 +149,29 @@ def minicpm_vision_specs(v: dict[str, Any], text_hidden: int) -> list[TensorSpec
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
             specs += _linear_pair(f"{b}self_attn.{proj}", vh, vh)
         specs += _linear_pair(b + "mlp.fc1", vi, vh) + _linear_pair(b + "mlp.fc2", vh, vi)
-    specs += [TensorSpec(f"{vt}post_layernorm.{w}", (vh,), BF16, "normal") for w in ("weight", "bias")]
+    specs += [
+        TensorSpec(f"{vt}post_layernorm.{w}", (vh,), BF16, "normal") for w in ("weight", "bias")
+    ]
     vm = vt + "vit_merger."
     specs += [TensorSpec(f"{vm}layer_norm1.{w}", (vh,), BF16, "normal") for w in ("weight", "bias")]
     for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
         specs += _linear_pair(f"{vm}self_attn.{proj}", vh, vh)
-    specs += [TensorSpec(f"{vm}pre_norm.{w}", (4 * vh,), BF16, "normal") for w in ("weight", "bias")]
+    specs += [
+        TensorSpec(f"{vm}pre_norm.{w}", (4 * vh,), BF16, "normal") for w in ("weight", "bias")
+    ]
     vm_inner = 17216  # published vit_merger MLP width (formats.md 3.2)
-    specs += _linear_pair(vm + "linear_1", vm_inner, 4 * vh) + _linear_pair(vm + "linear_2", vh, vm_inner)
+    specs += _linear_pair(vm + "linear_1", vm_inner, 4 * vh) + _linear_pair(
+        vm + "linear_2", vh, vm_inner
+    )
     mm = "model.merger.mlp.0."
-    specs += [TensorSpec(f"{mm}pre_norm.{w}", (4 * vh,), BF16, "normal") for w in ("weight", "bias")]
-    return specs + _linear_pair(mm + "linear_1", 4 * vh, 4 * vh) + _linear_pair(mm + "linear_2", text_hidden, 4 * vh)
+    specs += [
+        TensorSpec(f"{mm}pre_norm.{w}", (4 * vh,), BF16, "normal") for w in ("weight", "bias")
+    ]
+    return (
+        specs
+        + _linear_pair(mm + "linear_1", 4 * vh, 4 * vh)
+        + _linear_pair(mm + "linear_2", text_hidden, 4 * vh)
+    )
 
 
 def preset_specs(p: Preset) -> list[TensorSpec]:
@@ -134,5 +183,8 @@ def preset_specs(p: Preset) -> list[TensorSpec]:
         return lm_specs(text, "model.language_model.", False) + minicpm_vision_specs(
             cfg["vision_config"], text["hidden_size"]
         )
-    return (lm_specs(text, "model.language_model.", True) + qwen_vision_specs(cfg["vision_config"])
-            + mtp_specs(text))  # fmt: skip
+    return (
+        lm_specs(text, "model.language_model.", True)
+        + qwen_vision_specs(cfg["vision_config"])
+        + mtp_specs(text)
+    )

@@ -36,8 +36,10 @@ def init_tensor(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Ten
 def shard_names(num_shards: int) -> list[str]:
     """Qwen's naming: model.safetensors-0000k-of-0000n.safetensors (the 27B: 11 shards)."""
     width = 5
-    return [f"model.safetensors-{k:0{width}d}-of-{num_shards:0{width}d}.safetensors"
-            for k in range(1, num_shards + 1)]  # fmt: skip
+    return [
+        f"model.safetensors-{k:0{width}d}-of-{num_shards:0{width}d}.safetensors"
+        for k in range(1, num_shards + 1)
+    ]
 
 
 def _split(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
@@ -81,8 +83,12 @@ def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
 
 def summarize(p: Preset) -> dict:
     specs = preset_specs(p)
-    return {"preset": p.name, "num_tensors": len(specs), "num_bytes": sum(s.num_bytes for s in specs),
-            "files": shard_names(p.num_shards) if p.num_shards else ["model.safetensors"]}  # fmt: skip
+    return {
+        "preset": p.name,
+        "num_tensors": len(specs),
+        "num_bytes": sum(s.num_bytes for s in specs),
+        "files": shard_names(p.num_shards) if p.num_shards else ["model.safetensors"],
+    }
 
 
 def write_tokenizer(out_dir: Path) -> None:

@@ -25,14 +25,22 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
-                 max_model_len: int | None = None, revision: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        revision: str | None = None,
+    ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
         threads = env().num_threads
         if threads > 0:
             torch.set_num_threads(threads)
-        self.model_dir = default_model_dir() if model is None else resolve_model_dir(model, revision)
+        self.model_dir = (
+            default_model_dir() if model is None else resolve_model_dir(model, revision)
+        )
         self.is_default_model = model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
@@ -41,7 +49,9 @@ class LLM:
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not 0 < max_model_len <= limit:
-            raise RequestError(f"max_model_len must be in 1..{limit} for this model, got {max_model_len}")
+            raise RequestError(
+                f"max_model_len must be in 1..{limit} for this model, got {max_model_len}"
+            )
         self.max_model_len = max_model_len or limit
         self.generation_config = self._generation_config()
 
@@ -61,8 +71,12 @@ class LLM:
         g = self.generation_config
         if g.get("do_sample") is False:
             return SamplingParams(temperature=0.0)
-        return SamplingParams(temperature=float(g.get("temperature", 1.0)), top_k=int(g.get("top_k", 0) or 0),
-                              top_p=float(g.get("top_p", 1.0)), min_p=float(g.get("min_p", 0.0) or 0.0))  # fmt: skip
+        return SamplingParams(
+            temperature=float(g.get("temperature", 1.0)),
+            top_k=int(g.get("top_k", 0) or 0),
+            top_p=float(g.get("top_p", 1.0)),
+            min_p=float(g.get("min_p", 0.0) or 0.0),
+        )
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -73,7 +87,9 @@ class LLM:
             return prompt, self._check_ids(self.tokenizer.encode(prompt))
         if isinstance(prompt, list | tuple):
             return None, self._check_ids([int(t) for t in prompt])
-        raise RequestError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        raise RequestError(
+            f"a prompt must be text or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -85,13 +101,18 @@ class LLM:
             )
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise RequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
         return ids
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:  # fmt: skip
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """One output per prompt. Prompts run one after another (batching arrives with the scheduler)."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
         encoded = [self.encode_prompt(p) for p in prompts]  # validate all before running any
@@ -106,15 +127,26 @@ class LLM:
             results.append(RequestOutput(str(i), text, ids, [out], True, metrics))
         return results
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               metrics: dict[str, float] | None = None) -> Iterator[StreamEvent]:  # fmt: skip
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> Iterator[StreamEvent]:
         """Yield text as it becomes decodable (never a split UTF-8 character); the last event is finished."""
         _, ids = self.encode_prompt(prompt)
-        yield from self._run(ids, sampling_params or self.get_default_sampling_params(),
-                             metrics if metrics is not None else {})  # fmt: skip
+        yield from self._run(
+            ids,
+            sampling_params or self.get_default_sampling_params(),
+            metrics if metrics is not None else {},
+        )
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-             enable_thinking: bool = True) -> RequestOutput:  # fmt: skip
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        enable_thinking: bool = True,
+    ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
         return self.generate(prompt, sampling_params)[0]
 
@@ -125,7 +157,9 @@ class LLM:
             logits = self.model(chunk, state)
         return logits[0]
 
-    def _run(self, ids: list[int], params: SamplingParams, metrics: dict[str, float]) -> Iterator[StreamEvent]:
+    def _run(
+        self, ids: list[int], params: SamplingParams, metrics: dict[str, float]
+    ) -> Iterator[StreamEvent]:
         gen = make_generator(params, self.device)
         state = self.model.new_state(1)
         t0 = time.perf_counter()
@@ -151,9 +185,14 @@ class LLM:
             yield StreamEvent(text, (token,))
             logits = self.model(torch.tensor([[token]], device=self.device), state)[0]
         t2 = time.perf_counter()
-        metrics.update(num_prompt_tokens=len(ids), num_generated_tokens=num_new, prefill_s=t1 - t0,
-                       decode_s=t2 - t1, prefill_tok_s=len(ids) / max(t1 - t0, 1e-9),
-                       decode_tok_s=(num_new - 1) / (t2 - t1) if num_new > 1 and t2 > t1 else 0.0)  # fmt: skip
+        metrics.update(
+            num_prompt_tokens=len(ids),
+            num_generated_tokens=num_new,
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            prefill_tok_s=len(ids) / max(t1 - t0, 1e-9),
+            decode_tok_s=(num_new - 1) / (t2 - t1) if num_new > 1 and t2 > t1 else 0.0,
+        )
         yield StreamEvent(text, (token,), True, ended[0], ended[1])
 
 

@@ -35,7 +35,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be >= 1, got {self.max_tokens}",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
         ]
         for ok, message in checks:
@@ -51,7 +54,9 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen.manual_seed(
+        params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    )
     return gen
 
 

@@ -20,9 +20,10 @@ class GatedAttention(nn.Module):
         self.head_dim = cfg.head_dim
         hidden, q_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         kv_dim = cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = Linear(hidden, 2 * q_dim, dtype)  # per head: [query D | gate D]
-        self.k_proj = Linear(hidden, kv_dim, dtype)
-        self.v_proj = Linear(hidden, kv_dim, dtype)
+        # q rows are per head [query D | gate D], then k, then v
+        self.qkv_proj = Linear(
+            hidden, [2 * q_dim, kv_dim, kv_dim], dtype, parts=["q_proj", "k_proj", "v_proj"]
+        )
         self.o_proj = Linear(q_dim, hidden, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -32,14 +33,17 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B,T,N] -> [B,T,N]; appends this chunk's K/V to `kv`."""
         bsz, seq_len, _ = x.shape
-        qg = self.q_proj(x).view(bsz, seq_len, self.num_heads, 2 * self.head_dim)
+        qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qg = qg.reshape(bsz, seq_len, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         q = self.q_norm(q).transpose(1, 2)  # [B,HQ,T,D]
-        k = self.k_norm(self.k_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.reshape(bsz, seq_len, self.num_kv_heads, self.head_dim))
+        v = v.reshape(bsz, seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
         k_all, v_all = kv.append(k, v.transpose(1, 2))
         out = causal_attention(q, k_all, v_all, self.head_dim**-0.5)  # [B,HQ,T,D]
-        out = out.transpose(1, 2).reshape(bsz, seq_len, -1) * torch.sigmoid(gate.reshape(bsz, seq_len, -1))
+        out = out.transpose(1, 2).reshape(bsz, seq_len, -1) * torch.sigmoid(
+            gate.reshape(bsz, seq_len, -1)
+        )
         return self.o_proj(out)

@@ -10,7 +10,7 @@ from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_chunked, gdn_step, l2norm
+from deltaserve.ops.gdn import gdn_chunked, gdn_step
 
 
 class GatedDeltaNet(nn.Module):
@@ -20,13 +20,18 @@ class GatedDeltaNet(nn.Module):
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         hidden = cfg.hidden_size
-        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, dtype)  # [q HK | k HK | v HV*V]
-        self.in_proj_z = Linear(hidden, self.value_dim, dtype)
-        self.in_proj_b = Linear(hidden, self.num_v_heads, dtype)
-        self.in_proj_a = Linear(hidden, self.num_v_heads, dtype)
+        # rows: [q H*K | k H*K | v HV*V] (conv input), z HV*V, b HV, a HV
+        self.in_proj = Linear(
+            hidden,
+            [cfg.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
+            dtype,
+            parts=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
+        )
         # conv weight [C,1,W] as in the checkpoint; small, so kept in fp32 with the other 1-D params
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.zeros(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False)
+        self.conv1d.weight = nn.Parameter(
+            torch.zeros(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), False)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
@@ -37,21 +42,24 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B,T,N] -> ([B,T,N], new conv window [B,C,W-1]); `recurrent` [B,HV,K,V] is updated in place."""
         bsz, seq_len, _ = x.shape
-        qkv, conv_window = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], conv_window)
+        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        qkv, conv_window = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv_window)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)) * self.k_dim**-0.5
-        k = l2norm(k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim))
+        q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
+        k = k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
         v = v.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
         if self.num_v_heads != self.num_k_heads:  # value head h reads key head h // (HV/H)
             repeat = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        beta = torch.sigmoid(self.in_proj_b(x).float())  # [B,T,HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(b.float())  # [B,T,HV]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if seq_len == 1:
-            o = gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent).unsqueeze(1)
+            o = gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent, True).unsqueeze(
+                1
+            )
         else:
-            o, final = gdn_chunked(q, k, v, g, beta, recurrent)
+            o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True)
             recurrent.copy_(final)
-        z = self.in_proj_z(x).reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
+        z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
         o = self.norm(o, z, x.dtype).reshape(bsz, seq_len, self.value_dim)
         return self.out_proj(o), conv_window

@@ -1,4 +1,8 @@
-"""The one Linear every model layer builds: dense weights now, quantized variants plug in here."""
+"""The one Linear every model layer builds: dense weights now, quantized variants plug in here.
+
+A Linear may pack several checkpoint projections that read the same input (q|k|v, gate|up, the GDN
+in-projections) into one weight: one GEMM/GEMV instead of several, fewer passes over the input.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +10,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# At or above this many rows a bf16/fp16 weight is widened once to the activation dtype and the
-# GEMM runs there (CPUs without AMX run fp32 GEMMs ~1.6x faster than bf16); below it the GEMV
+from deltaserve.ops.gemv import gemv
+
+# From this many rows up a bf16/fp16 weight is widened once to the activation dtype and the GEMM runs
+# there (CPUs without AMX run fp32 GEMMs ~1.6x faster than bf16). Below it each row is a GEMV that
 # reads the narrow weight directly, since decode is bound by weight bytes.
-WIDEN_MIN_ROWS = 16
+WIDEN_MIN_ROWS = 4
 
 
 class Linear(nn.Module):
-    """y = x W^T with W [out, in] stored in `dtype`; x and y in the caller's activation dtype."""
+    """y = x W^T with W [out, in] stored in `dtype`; x and y in the caller's activation dtype.
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+    `parts` names the checkpoint tensors packed row-wise into W (None = the module's own name).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        dtype: torch.dtype,
+        parts: list[str] | None = None,
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        sizes = out_features if isinstance(out_features, list) else [out_features]
+        self.in_features, self.out_sizes = in_features, sizes
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.out_sizes, dim=-1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    if rows >= WIDEN_MIN_ROWS:
+    if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight.to(x.dtype))
-    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    flat = x.reshape(rows, x.shape[-1])
+    out = (
+        torch.cat([gemv(flat[r : r + 1], weight) for r in range(rows)])
+        if rows > 1
+        else gemv(flat, weight)
+    )
+    return out.reshape(*x.shape[:-1], weight.shape[0])

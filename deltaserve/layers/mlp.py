@@ -12,9 +12,11 @@ from deltaserve.layers.linear import Linear
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, dtype)
+        self.gate_up_proj = Linear(
+            hidden_size, [intermediate_size] * 2, dtype, parts=["gate_proj", "up_proj"]
+        )
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)

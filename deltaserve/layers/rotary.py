@@ -13,7 +13,9 @@ class Rotary:
         self.inv_freq = (1.0 / (theta**exponents)).to(device)  # [rotary_dim/2]
         self.rotary_dim = rotary_dim
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim] (halves repeated, as rotate-half expects)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -44,7 +44,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -57,12 +59,16 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.model = Backbone(cfg, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), False)
+            self.lm_head.weight = nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), False
+            )
         self._rotary: Rotary | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (
+            self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        )
 
     def new_state(self, batch_size: int = 1) -> SequenceState:
         return SequenceState.empty(self.cfg, batch_size, self.act_dtype, self.head_weight.device)

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [B,HQ,T,D] are the last T positions of the S cached ones in k, v [B,HKV,S,D].
 
     Query i sits at position S-T+i and attends to keys 0..S-T+i. Returns [B,HQ,T,D].
@@ -24,7 +26,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     )
 
 
-def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Two GEMMs and a masked softmax in fp32, heads expanded explicitly."""
     groups = q.shape[1] // k.shape[1]
     k, v = (x.float().repeat_interleave(groups, dim=1) for x in (k, v))

@@ -27,7 +27,9 @@ def causal_conv1d(
     return F.silu(out).transpose(1, 2).to(x.dtype), new_window
 
 
-def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+def causal_conv1d_ref(
+    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
+) -> torch.Tensor:
     """Plain loop over taps: the spec for causal_conv1d's output."""
     bsz, seq_len, channels = x.shape
     width = weight.shape[-1]

@@ -1,7 +1,9 @@
 """Gated delta rule: the sequential recurrence (the spec), the chunked prefill form and the decode step.
 
-All take q and k already L2-normalised (q also scaled by K^-0.5) and expanded to HV heads, and keep
-the recurrent state in fp32: S <- S*exp(g); d = (v - S^T k)*beta; S <- S + k d^T; o = S^T q.
+All take q and k expanded to HV heads and keep the recurrent state in fp32. With qk_l2norm (the
+model's setting) q and k are L2-normalised in fp32 and q is scaled by K^-0.5 inside the op, as
+transformers' and fla's kernels do (use_qk_l2norm_in_kernel).
+S <- S*exp(g); d = (v - S^T k)*beta; S <- S + k d^T; o = S^T q.
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _prep_qk(
+    q: torch.Tensor, k: torch.Tensor, qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not qk_l2norm:
+        return q.float(), k.float()
+    return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
+
+
 def gdn_recurrent_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -23,6 +33,7 @@ def gdn_recurrent_ref(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence. q, k [B,T,HV,K]; v [B,T,HV,V]; g, beta [B,T,HV]; state [B,HV,K,V].
 
@@ -30,6 +41,7 @@ def gdn_recurrent_ref(
     """
     bsz, seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
+    q, k = _prep_qk(q, k, qk_l2norm)
     s = torch.zeros(bsz, num_heads, k_dim, v_dim) if state is None else state.float().clone()
     s = s.to(q.device)
     out = torch.empty(bsz, seq_len, num_heads, v_dim, dtype=torch.float32, device=q.device)
@@ -49,11 +61,13 @@ def gdn_step(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    qk_l2norm: bool = False,
 ) -> torch.Tensor:
     """One decode step, updating `state` in place. q, k [B,HV,K]; v [B,HV,V]; g, beta [B,HV].
 
     state [B,HV,K,V] fp32. Returns o [B,HV,V] fp32.
     """
+    q, k = _prep_qk(q, k, qk_l2norm)
     state.mul_(g.float().exp()[..., None, None])
     kv = torch.matmul(k.float().unsqueeze(-2), state).squeeze(-2)  # [B,HV,V]
     delta = (v.float() - kv) * beta.float()[..., None]
@@ -69,6 +83,7 @@ def gdn_chunked(
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
     chunk_len: int = 64,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY / UT-transform) form of gdn_recurrent_ref; same arguments and results.
 
@@ -80,6 +95,7 @@ def gdn_chunked(
     v_dim = v.shape[-1]
     pad = (-seq_len) % chunk_len
     # [B,HV,T,*] fp32, padded to a multiple of chunk_len, then split into [B,HV,NC,L,*]
+    q, k = _prep_qk(q, k, qk_l2norm)
     q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
     num_chunks = (seq_len + pad) // chunk_len
@@ -102,7 +118,11 @@ def gdn_chunked(
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
     chunk_decay = g[..., -1].exp()[..., None, None]  # [B,HV,NC,1,1]
 
-    s = torch.zeros(bsz, num_heads, k_dim, v_dim, device=q.device) if state is None else state.float()
+    s = (
+        torch.zeros(bsz, num_heads, k_dim, v_dim, device=q.device)
+        if state is None
+        else state.float()
+    )
     out = torch.empty(bsz, num_heads, num_chunks, chunk_len, v_dim, device=q.device)
     for c in range(num_chunks):
         v_new = u[:, :, c] - w[:, :, c] @ s

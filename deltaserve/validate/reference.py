@@ -33,7 +33,9 @@ def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = set(state) - set(wanted) - tied
     if missing:
-        raise DeltaserveError(f"transformers expects tensors the checkpoint lacks: {sorted(missing)[:3]}")
+        raise DeltaserveError(
+            f"transformers expects tensors the checkpoint lacks: {sorted(missing)[:3]}"
+        )
     with torch.no_grad():
         for name, tensor in index.tensors(wanted):
             state[name].copy_(tensor)

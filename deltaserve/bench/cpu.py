@@ -1,0 +1,93 @@
+"""`deltaserve bench`: prefill and decode tokens/s plus peak memory, ours and transformers in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deltaserve.bench.record import checkpoint_fingerprint, device_info, flags, git_commit
+from deltaserve.errors import DeltaserveError
+
+
+def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaserve.bench.worker",
+        engine,
+        str(model_dir),
+        "--dtype",
+        args.dtype,
+        "--lens",
+        args.prefill_lens,
+        "--decode-tokens",
+        str(args.decode_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise DeltaserveError(f"benchmark of {engine} failed: {tail[0]}")
+    return json.loads(proc.stdout)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from deltaserve.checkpoint.default import default_model_dir
+    from deltaserve.checkpoint.hub import resolve_model_dir
+
+    if args.device != "cpu":
+        raise DeltaserveError("this benchmark measures the CPU path; GPU benchmarks are separate")
+    model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    args.dtype = dtype
+    print(
+        f"bench: {model_dir} {dtype} prefill {args.prefill_lens}, decode {args.decode_tokens} tokens",
+        file=sys.stderr,
+    )
+    engines = {"deltaserve": _worker("ours", model_dir, args)}
+    if args.peer == "transformers":
+        engines["transformers"] = _worker("transformers", model_dir, args)
+    record = {
+        "kind": "cpu-bench",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": git_commit(),
+        "model_dir": str(model_dir),
+        "checkpoint_fingerprint": checkpoint_fingerprint(model_dir),
+        "device": device_info("cpu"),
+        "dtype": dtype,
+        "flags": flags(),
+        "workload": {
+            "prefill_lens": args.prefill_lens,
+            "decode_tokens": args.decode_tokens,
+            "decode_prompt_len": 16,
+            "repeats": args.repeats,
+            "eos": "ignored",
+        },
+        "engines": engines,
+    }
+    _print_table(engines)
+    text = json.dumps(record, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _print_table(engines: dict[str, dict]) -> None:
+    keys = [k for k in next(iter(engines.values())) if k.endswith(("tok_s", "_gb"))]
+    print(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines), file=sys.stderr)
+    for k in keys:
+        print(
+            f"{k:<22}" + "".join(f"{engines[e].get(k, float('nan')):>16.2f}" for e in engines),
+            file=sys.stderr,
+        )
+    if "transformers" in engines:
+        for k in keys:
+            if k.endswith("tok_s"):
+                ratio = engines["deltaserve"][k] / engines["transformers"][k]
+                print(f"speed-up {k}: {ratio:.2f}x", file=sys.stderr)

@@ -1,0 +1,139 @@
+"""`deltaserve` command line: generate, chat, make-checkpoint, validate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from deltaserve.errors import DeltaserveError
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="checkpoint folder or hub id (default: the embedded default model)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default=dtype_default, help="weight dtype")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the checkpoint's generation_config)",
+    )
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a raw prompt")
+    _model_args(gen)
+    gen.add_argument(
+        "--prompt", "-p", default=None, help="prompt text ('-' or omitted: read stdin)"
+    )
+    _sampling_args(gen, 128)
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the text"
+    )
+    chat = sub.add_parser("chat", help="interactive chat with the checkpoint's template")
+    _model_args(chat)
+    _sampling_args(chat, 1024)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--no-think", action="store_true", help="disable Qwen3.5 thinking mode")
+    make = sub.add_parser(
+        "make-checkpoint", help="write a synthetic checkpoint of a real model's shape"
+    )
+    make.add_argument("--preset", required=True)
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dry-run", action="store_true", help="only print tensor count and bytes")
+    make.add_argument("out", nargs="?", default=None)
+    val = sub.add_parser("validate", help="compare logits and greedy tokens with transformers")
+    _model_args(val, dtype_default="float32")
+    val.add_argument("--prompt-len", type=int, default=64)
+    val.add_argument("--num-tokens", type=int, default=32)
+    val.add_argument("--seed", type=int, default=0)
+    val.add_argument("--tolerance", type=float, default=None, help="max logits rel-L2")
+    bench = sub.add_parser(
+        "bench", help="prefill/decode tokens/s, ours and transformers in one run"
+    )
+    _model_args(bench, dtype_default="bfloat16")
+    bench.add_argument("--prefill-lens", default="512,2048")
+    bench.add_argument("--decode-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    bench.add_argument("--out", default=None, help="write the JSON record here too")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from deltaserve.cli_generate import run_generate
+
+            return run_generate(args)
+        if args.command == "chat":
+            from deltaserve.cli_generate import run_chat
+
+            return run_chat(args)
+        if args.command == "make-checkpoint":
+            return _make_checkpoint(args)
+        if args.command == "validate":
+            from deltaserve.validate.compare import run_validate
+
+            return run_validate(args)
+        from deltaserve.bench.cpu import run_bench
+
+        return run_bench(args)
+    except DeltaserveError as exc:
+        print(f"deltaserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("deltaserve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deltaserve.checkpoint.presets import preset
+    from deltaserve.checkpoint.writer import summarize, write_checkpoint
+
+    p = preset(args.preset)
+    if args.dry_run:
+        summary = summarize(p)
+    else:
+        if args.out is None:
+            raise DeltaserveError("make-checkpoint needs an output folder (or --dry-run)")
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()):
+            raise DeltaserveError(f"output folder {out} exists and is not empty")
+        summary = write_checkpoint(p, out, args.seed)
+    summary["matches_published"] = (
+        None
+        if p.expected_bytes is None
+        else summary["num_tensors"] == p.expected_tensors
+        and summary["num_bytes"] == p.expected_bytes
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

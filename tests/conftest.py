@@ -1,0 +1,53 @@
+"""Shared fixtures: synthetic checkpoints written once per session into a temporary cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep the default model and the built tokenizer out of the user's cache; one folder per session.
+os.environ.setdefault("DELTASERVE_CACHE_DIR", tempfile.mkdtemp(prefix="deltaserve-test-cache-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def write_variant(out: Path, seed: int = 0, **text_overrides) -> Path:
+    """The tiny preset with config overrides (e.g. value heads == key heads, untied head)."""
+    from deltaserve.checkpoint.presets import Preset, preset
+    from deltaserve.checkpoint.writer import write_checkpoint
+
+    base = preset("tiny")
+    cfg = copy.deepcopy(base.config)
+    cfg.update(text_overrides)
+    write_checkpoint(
+        Preset("tiny-variant", cfg, 0, generation_config=base.generation_config), out, seed
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """Flat qwen3_5_text checkpoint, V heads (4) != K heads (2), tied head, mtp.* tensors present."""
+    return write_variant(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir):
+    from deltaserve import LLM
+
+    return LLM(tiny_dir, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir):
+    from deltaserve.validate.reference import load_reference
+
+    return load_reference(tiny_dir)
+
+
+def read_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())

@@ -1,0 +1,89 @@
+"""SamplingParams validation, the sampler's filters, and stop handling (pure CPU, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.sampling import SamplingParams, make_generator, sample
+from deltaserve.engine.stopping import StopChecker
+from deltaserve.errors import RequestError
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -5}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_params_raise_clear_errors(kwargs, word) -> None:
+    with pytest.raises(RequestError, match=word):
+        SamplingParams(**kwargs)
+
+
+def _logits() -> torch.Tensor:
+    return torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
+
+
+def test_greedy_and_top_k_one_pick_the_argmax() -> None:
+    assert sample(_logits(), SamplingParams(temperature=0), None) == 1
+    params = SamplingParams(temperature=1.0, top_k=1, seed=0)
+    assert {
+        sample(_logits(), params, make_generator(params, torch.device("cpu"))) for _ in range(20)
+    } == {1}
+
+
+def test_seed_makes_sampling_reproducible() -> None:
+    params = SamplingParams(temperature=1.0, seed=123)
+    draws = []
+    for _ in range(2):
+        gen = make_generator(params, torch.device("cpu"))
+        draws.append(
+            [
+                sample(torch.randn(50, generator=torch.Generator().manual_seed(i)), params, gen)
+                for i in range(30)
+            ]
+        )
+    assert draws[0] == draws[1]
+
+
+def test_top_p_and_min_p_restrict_the_support() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = SamplingParams(temperature=1.0, top_p=0.7, seed=1)
+    gen = make_generator(p, torch.device("cpu"))
+    assert {sample(logits, p, gen) for _ in range(200)} == {0, 1}
+    m = SamplingParams(temperature=1.0, min_p=0.5, seed=1)
+    gen = make_generator(m, torch.device("cpu"))
+    assert {sample(logits, m, gen) for _ in range(200)} == {0, 1}  # 0.3 >= 0.5*0.5, 0.15 is not
+
+
+def test_stop_string_split_across_tokens_is_held_back_then_cut() -> None:
+    checker = StopChecker(SamplingParams(stop=("STOP",)), frozenset())
+    emitted = []
+    for delta in ["hello S", "TO", "P tail"]:
+        text, stop = checker.add_text(delta)
+        emitted.append(text)
+        if stop:
+            break
+    assert "".join(emitted) == "hello "
+    assert stop == "STOP"
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete() -> None:
+    checker = StopChecker(SamplingParams(stop=("STOP",)), frozenset())
+    assert checker.add_text("ab ST") == ("ab ", None)
+    assert checker.add_text("X") == ("STX", None)
+
+
+def test_stop_ids_and_eos() -> None:
+    checker = StopChecker(SamplingParams(stop_token_ids=(7,)), frozenset({2}))
+    assert checker.token_stop(7) == ("stop", 7)
+    assert checker.token_stop(2) == ("stop", None)
+    assert checker.token_stop(3) is None
+    ignoring = StopChecker(SamplingParams(ignore_eos=True), frozenset({2}))
+    assert ignoring.token_stop(2) is None

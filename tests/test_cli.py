@@ -1,0 +1,193 @@
+"""The command line end to end: generate (text and --json), chat, make-checkpoint, validate, bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from deltaserve import SamplingParams
+from deltaserve.cli import main
+
+
+def test_generate_json_matches_the_api(capsys, tiny_dir, tiny_llm) -> None:
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "float32",
+            "-p",
+            "The cat",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc == 0
+    record = json.loads(out.out)
+    expected = tiny_llm.generate(
+        "The cat", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )[0]
+    assert record["token_ids"] == expected.outputs[0].token_ids
+    assert record["prompt_token_ids"] == expected.prompt_token_ids
+    assert record["timings"]["num_generated_tokens"] == 6
+    assert "tokens-per-sec" in out.err
+
+
+def test_generate_stdout_carries_only_the_text(tiny_dir, tiny_llm) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaserve",
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "float32",
+            "-p",
+            "Hi",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = tiny_llm.generate(
+        "Hi", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )[0]
+    assert proc.stdout == expected.outputs[0].text + "\n"
+    assert "Generation: 5 tokens" in proc.stderr
+
+
+def test_generate_reads_prompt_from_stdin(tiny_dir) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaserve",
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        input="Hello there",
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompt"] == "Hello there"
+
+
+def test_chat_reads_turns_from_stdin(tiny_dir) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaserve",
+            "chat",
+            "--model",
+            str(tiny_dir),
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--no-think",
+            "--system",
+            "Be brief.",
+        ],
+        input="hello\nsecond turn\n/exit\n",
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("tok/s]") == 2  # two replies
+    assert len(proc.stdout.splitlines()) == 2
+
+
+def test_make_checkpoint_dry_run_27b(capsys) -> None:
+    assert main(["make-checkpoint", "--preset", "qwen3.5-27b", "--dry-run"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_tensors"] == 1199 and summary["num_bytes"] == 55_562_872_800
+    assert summary["matches_published"] is True
+
+
+def test_make_checkpoint_refuses_a_non_empty_folder(capsys, tiny_dir) -> None:
+    assert main(["make-checkpoint", "--preset", "tiny", str(tiny_dir)]) == 1
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_validate_passes_and_fails(capsys, tiny_dir) -> None:
+    assert (
+        main(["validate", "--model", str(tiny_dir), "--prompt-len", "40", "--num-tokens", "8"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "greedy tokens: 8/8 identical ok" in out
+    # an impossible tolerance must fail with a non-zero status
+    assert (
+        main(
+            [
+                "validate",
+                "--model",
+                str(tiny_dir),
+                "--prompt-len",
+                "40",
+                "--num-tokens",
+                "4",
+                "--tolerance",
+                "1e-30",
+            ]
+        )
+        == 3
+    )
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bench_writes_a_traceable_record(capsys, tiny_dir, tmp_path) -> None:
+    out_file = tmp_path / "bench.json"
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--prefill-lens",
+            "64",
+            "--decode-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--out",
+            str(out_file),
+        ]
+    )
+    assert rc == 0
+    record = json.loads(out_file.read_text())
+    assert set(record["engines"]) == {"deltaserve", "transformers"}
+    for engine in record["engines"].values():
+        assert (
+            engine["prefill_64_tok_s"] > 0
+            and engine["decode_tok_s"] > 0
+            and engine["peak_rss_gb"] > 0
+        )
+    assert len(record["checkpoint_fingerprint"]) == 16 and record["git_commit"]
+    assert record["dtype"] == "bfloat16" and "name" in record["device"]
+
+
+def test_default_model_is_made_on_first_use_and_labelled(capsys) -> None:
+    assert main(["generate", "-p", "Hello", "--max-tokens", "3", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "RANDOM WEIGHTS" in err
