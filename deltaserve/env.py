@@ -20,7 +20,7 @@ class Env:
     reference_ops: bool  # DELTASERVE_REFERENCE_OPS=1: every op runs its plain torch reference
     num_threads: int  # DELTASERVE_NUM_THREADS: torch intra-op threads on CPU (0 = torch default)
     offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
-    compile: bool  # DELTASERVE_COMPILE=0: no torch.compile'd kernels (CPU decode GEMV)
+    native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
 
     @classmethod
     def read(cls) -> Env:
@@ -30,7 +30,7 @@ class Env:
             reference_ops=_flag("DELTASERVE_REFERENCE_OPS"),
             num_threads=int(os.environ.get("DELTASERVE_NUM_THREADS", "0") or 0),
             offline=_flag("HF_HUB_OFFLINE"),
-            compile=_flag("DELTASERVE_COMPILE", default=True),
+            native=_flag("DELTASERVE_NATIVE", default=True),
         )
 
 

@@ -10,7 +10,8 @@ from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_chunked, gdn_step
+from deltaserve.ops.gdn import gdn_chunked
+from deltaserve.ops.gdn_decode import gdn_decode
 
 
 class GatedDeltaNet(nn.Module):
@@ -43,6 +44,22 @@ class GatedDeltaNet(nn.Module):
         """x [B,T,N] -> ([B,T,N], new conv window [B,C,W-1]); `recurrent` [B,HV,K,V] is updated in place."""
         bsz, seq_len, _ = x.shape
         qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        if seq_len == 1:
+            o, conv_window = gdn_decode(
+                qkv[:, 0],
+                z[:, 0],
+                b[:, 0],
+                a[:, 0],
+                conv_window,
+                self.conv1d.weight[:, 0],
+                self.A_log,
+                self.dt_bias,
+                recurrent,
+                self.norm.weight,
+                self.norm.eps,
+                self.num_k_heads,
+            )
+            return self.out_proj(o.to(x.dtype).unsqueeze(1)), conv_window
         qkv, conv_window = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv_window)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
@@ -53,13 +70,8 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         beta = torch.sigmoid(b.float())  # [B,T,HV]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if seq_len == 1:
-            o = gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent, True).unsqueeze(
-                1
-            )
-        else:
-            o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True)
-            recurrent.copy_(final)
+        o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True)
+        recurrent.copy_(final)
         z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
         o = self.norm(o, z, x.dtype).reshape(bsz, seq_len, self.value_dim)
         return self.out_proj(o), conv_window

@@ -15,16 +15,19 @@ def causal_conv1d(
     """
     bsz, seq_len, channels = x.shape
     width = weight.shape[-1]
-    xt = x.transpose(1, 2).to(weight.dtype)  # [B,C,T]
     if window is None:
-        window = xt.new_zeros(bsz, channels, width - 1)
-    full = torch.cat([window.to(weight.dtype), xt], dim=-1)  # [B,C,W-1+T]
-    if seq_len == 1:  # decode: one dot product per channel beats a conv launch
-        out = (full * weight).sum(-1, keepdim=True)
-    else:
-        out = F.conv1d(full, weight.unsqueeze(1), groups=channels)
-    new_window = full[..., -(width - 1) :].contiguous()
-    return F.silu(out).transpose(1, 2).to(x.dtype), new_window
+        window = x.new_zeros(bsz, channels, width - 1)
+    # time-major [B,W-1+T,C]: each tap is a contiguous shifted slice, broadcast over channels
+    full = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
+    taps = weight.t().to(x.dtype)  # [W,C]
+    if seq_len == 1:  # decode: one dot product per channel
+        out = (full * taps).sum(1, keepdim=True)
+    else:  # W shifted multiply-adds: oneDNN's depthwise conv1d measured ~25x slower here
+        out = full[:, :seq_len] * taps[0]
+        for tap in range(1, width):
+            out.addcmul_(full[:, tap : tap + seq_len], taps[tap])
+    new_window = full[:, -(width - 1) :].transpose(1, 2).contiguous()
+    return F.silu(out), new_window
 
 
 def causal_conv1d_ref(

@@ -1,45 +1,40 @@
-"""Decode GEMV: fp32 activations times bf16/fp16 weights, fp32 accumulation, weights read once.
+"""Decode GEMV: fp32 activations times bf16 weights, fp32 accumulation, each weight byte read once.
 
-torch's bf16 GEMV on CPUs without AMX both rounds the activations/outputs to bf16 and reaches only
-~11 GB/s in the model; an inductor-generated loop that widens each weight on the fly reads the
-narrow weight at ~20-25 GB/s and keeps everything else fp32 (bf16 decode == fp32 math on bf16 weights).
+torch's bf16 GEMV on CPUs without AMX rounds activations and outputs to bf16 and streams weights at
+~11 GB/s in the model; the native kernel (ops/csrc/gemv_bf16.c) reads them at ~25 GB/s and keeps the
+math in fp32, so bf16 decode equals fp32 math on the bf16 weights.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from deltaserve.env import env
-
-_compiled = None
-_failed = False
+from deltaserve.ops.native import native_lib
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M,K] fp32; weight [N,K] any float dtype -> [M,N] fp32."""
+    """x [M,K] fp32; weight [N,K] any float dtype -> [M,N] fp32. The spec."""
     return F.linear(x.float(), weight.float())
 
 
-def _widened_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (weight.float() * x.float().unsqueeze(-2)).sum(-1)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1,K] fp32; weight [N,K] bf16/fp16 on CPU -> [1,N] fp32 (reference path on request/failure)."""
-    global _compiled, _failed
-    if _failed or not env().compile or env().reference_ops:
+    """x [1,K] fp32 (CPU); weight [N,K] -> [1,N] fp32."""
+    lib = native_lib()
+    if env().reference_ops:
         return gemv_ref(x, weight)
-    if _compiled is None:
-        _compiled = torch.compile(_widened_dot, dynamic=True)
-    try:
-        return _compiled(x, weight)
-    except Exception as exc:  # no C++ compiler, unsupported platform: stay correct, just slower
-        _failed = True
-        print(
-            f"deltaserve: compiled GEMV unavailable ({type(exc).__name__}); using torch's path",
-            file=sys.stderr,
-        )
-        return gemv_ref(x, weight)
+    if lib is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        # torch's own narrow GEMV: fast, but rounds x and y to the weight dtype
+        return F.linear(x.to(weight.dtype), weight).float()
+    x = x.contiguous()
+    out = torch.empty(1, weight.shape[0], dtype=torch.float32)
+    lib.ds_gemv_bf16(
+        weight.data_ptr(),
+        x.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+        weight.shape[1],
+        torch.get_num_threads(),
+    )
+    return out

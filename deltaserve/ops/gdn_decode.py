@@ -1,0 +1,66 @@
+"""The whole GDN decode step after the in-projection, fused: conv window, q/k norms, decay, delta rule,
+gated RMSNorm. The reference composes the prefill ops; the native kernel does it in one call."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.env import env
+from deltaserve.ops.conv1d import causal_conv1d
+from deltaserve.ops.gdn import gdn_step
+from deltaserve.ops.native import native_lib
+
+
+def gdn_decode_ref(
+    qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, eps: float, num_k_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [B,C]; z [B,HV*V]; b, a [B,HV]; window [B,C,W-1]; conv_w [C,W]; a_log, dt_bias [HV];
+    state [B,HV,K,V] fp32 (updated in place); norm_w [V]. Returns (out [B,HV*V] fp32, new window)."""
+    bsz, num_heads, k_dim, v_dim = state.shape
+    conv, window = causal_conv1d(qkv.unsqueeze(1).float(), conv_w, window)
+    q, k, v = torch.split(
+        conv[:, 0], [num_k_heads * k_dim, num_k_heads * k_dim, num_heads * v_dim], -1
+    )
+    group = num_heads // num_k_heads
+    q = q.reshape(bsz, num_k_heads, k_dim).repeat_interleave(group, 1)
+    k = k.reshape(bsz, num_k_heads, k_dim).repeat_interleave(group, 1)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    o = gdn_step(
+        q, k, v.reshape(bsz, num_heads, v_dim), g, torch.sigmoid(b.float()), state, qk_l2norm=True
+    )
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    o = o * F.silu(z.float().reshape(bsz, num_heads, v_dim))
+    return o.reshape(bsz, -1), window
+
+
+def gdn_decode(
+    qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, eps: float, num_k_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as gdn_decode_ref; the native kernel on CPU fp32, else the reference."""
+    lib = native_lib()
+    fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, window, conv_w, state))
+    if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:
+        return gdn_decode_ref(
+            qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, eps, num_k_heads
+        )
+    bsz, num_heads, k_dim, v_dim = state.shape
+    tensors = [t.contiguous() for t in (qkv, z, b, a)]
+    window = window.contiguous().clone()
+    conv_w, a_log, dt_bias, norm_w = (
+        t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)
+    )
+    out = torch.empty(bsz, num_heads * v_dim)
+    ptrs = [t.data_ptr() for t in (*tensors, window, conv_w, a_log, dt_bias, state, norm_w, out)]
+    lib.ds_gdn_decode(
+        *ptrs,
+        bsz,
+        num_k_heads,
+        num_heads,
+        k_dim,
+        v_dim,
+        conv_w.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, window

@@ -1,0 +1,76 @@
+"""Small C kernels for the CPU, compiled on first use with the system C compiler and loaded by ctypes.
+
+No torch headers (a build takes well under a second); built with -march=native into the cache
+folder, keyed by source and flags. If no compiler works, callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from deltaserve.env import env
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        return None
+    source = b"".join(f.read_bytes() for f in _SOURCES)
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    out = env().cache_dir / "native" / key / "libdeltaserve_cpu.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run(
+            [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            print(
+                f"deltaserve: building CPU kernels failed; using torch's path ({proc.stderr.strip()[:200]})",
+                file=sys.stderr,
+            )
+            return None
+        tmp.replace(out)
+    lib = ctypes.CDLL(str(out))
+    lib.ds_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.ds_gemv_bf16.restype = None
+    lib.ds_gdn_decode.argtypes = (
+        [ctypes.c_void_p] * 11 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.ds_gdn_decode.restype = None
+    return lib
+
+
+def native_lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when disabled (DELTASERVE_NATIVE=0) or unbuildable here."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _build() if env().native else None
+        except OSError as exc:
+            print(
+                f"deltaserve: CPU kernels unavailable ({exc}); using torch's path", file=sys.stderr
+            )
+            _lib = None
+    return _lib
