@@ -38,6 +38,10 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
     cfg = text_config_for(raw)
     param_dtype = resolve_dtype(dtype, raw)
     dev = torch.device(device)
+    if dev.type == "cpu":
+        # GDN decays underflow into denormals (exp(-50) products) and denormal arithmetic is ~100x
+        # slower on x86: flushing them to zero took 0.8B prefill from 107 to 147 tok/s here.
+        torch.set_flush_denormal(True)
     cls = text_model_class(raw["model_type"])
     with torch.device("meta"):
         model = cls(cfg, param_dtype, activation_dtype(param_dtype, dev))
