@@ -36,13 +36,6 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def special_ids(self) -> set[int]:
-        return (
-            {t.id for t in self._tok.get_added_tokens_decoder().values() if t.special}
-            if hasattr(self._tok, "get_added_tokens_decoder")
-            else set()
-        )
-
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
