@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ class Env:
         )
 
 
+@functools.cache
 def env() -> Env:
-    """Read the environment now (tests change it between calls, so nothing is cached)."""
+    """The environment as read at first use; `env.cache_clear()` re-reads it (each new LLM does).
+
+    Cached because hot paths (every decode GEMV) consult it: re-reading cost ~15 ms per token.
+    """
     return Env.read()

@@ -15,6 +15,16 @@ os.environ.setdefault("DELTASERVE_CACHE_DIR", tempfile.mkdtemp(prefix="deltaserv
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_env():
+    """env() is cached: every test starts from, and leaves behind, the real environment."""
+    from deltaserve.env import env
+
+    env.cache_clear()
+    yield
+    env.cache_clear()
+
+
 def write_variant(out: Path, seed: int = 0, **text_overrides) -> Path:
     """The tiny preset with config overrides (e.g. value heads == key heads, untied head)."""
     from deltaserve.checkpoint.presets import Preset, preset

@@ -35,6 +35,7 @@ class LLM:
     ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
+        env.cache_clear()  # an engine sees the environment as it is when it is built
         threads = env().num_threads
         if threads > 0:
             torch.set_num_threads(threads)

