@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.ops.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32; w is stored zero-centred."""
@@ -16,9 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, 1.0)
 
 
 class GatedRMSNorm(nn.Module):

@@ -46,7 +46,9 @@ def gdn_decode(
         )
     bsz, num_heads, k_dim, v_dim = state.shape
     tensors = [t.contiguous() for t in (qkv, z, b, a)]
-    window = window.contiguous().clone()
+    window = (
+        window.contiguous()
+    )  # updated in place (and returned, as the reference returns a new one)
     conv_w, a_log, dt_bias, norm_w = (
         t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)
     )

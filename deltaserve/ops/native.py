@@ -58,6 +58,10 @@ def _build() -> ctypes.CDLL | None:
         [ctypes.c_void_p] * 11 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
     )
     lib.ds_gdn_decode.restype = None
+    lib.ds_rmsnorm.argtypes = (
+        [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int]
+    )
+    lib.ds_rmsnorm.restype = None
     return lib
 
 

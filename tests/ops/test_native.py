@@ -65,3 +65,13 @@ def test_fused_gdn_decode_matches_reference_over_steps(
         assert rel(out, ref) <= 1e-5
     assert rel(state, ref_state) <= 1e-5
     assert torch.allclose(window, ref_window)
+
+
+@pytest.mark.parametrize("rows,dim,offset", [(1, 1024, 1.0), (37, 256, 1.0), (5, 128, 0.0)])
+def test_rmsnorm_matches_reference(rows: int, dim: int, offset: float) -> None:
+    from deltaserve.ops.norm import rms_norm, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    w = torch.randn(dim, generator=gen) * 0.1
+    assert rel(rms_norm(x, w, 1e-6, offset), rms_norm_ref(x, w, 1e-6, offset)) <= 1e-6
