@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -49,6 +50,10 @@ def run_bench(args: argparse.Namespace) -> int:
         f"bench: {model_dir} {dtype} prefill {args.prefill_lens}, decode {args.decode_tokens} tokens",
         file=sys.stderr,
     )
+    if args.peer == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise DeltaserveError(
+            "the peer needs transformers: pip install 'deltaserve[validate]' (or pass --peer none)"
+        )
     engines = {"deltaserve": _worker("ours", model_dir, args)}
     if args.peer == "transformers":
         engines["transformers"] = _worker("transformers", model_dir, args)
