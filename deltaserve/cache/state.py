@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +44,6 @@ class SequenceState:
     recurrent: list[torch.Tensor | None]  # per layer: [B,HV,K,V] fp32 for GDN layers
     kv: list[KVCache | None]  # per layer: KV for attention layers
     position: int = 0  # tokens consumed so far
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def empty(
