@@ -30,7 +30,7 @@ def rel_l2(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def compare(llm: LLM, reference, prompt_ids: list[int], num_tokens: int) -> Comparison:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=llm.device)  # the reference sits on the same device
     with torch.no_grad():
         ref_logits = reference(ids).logits[0].float()
         ref_tokens = reference.generate(
@@ -41,7 +41,7 @@ def compare(llm: LLM, reference, prompt_ids: list[int], num_tokens: int) -> Comp
     ours_tokens, logits = [], ours_logits[-1]
     for _ in range(num_tokens):  # greedy, EOS ignored, exactly as the reference is asked to
         ours_tokens.append(int(logits.argmax()))
-        logits = llm.model(torch.tensor([[ours_tokens[-1]]]), state)[0]
+        logits = llm.model(torch.tensor([[ours_tokens[-1]]], device=llm.device), state)[0]
     diverge = next(
         (i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=True)) if a != b), None
     )
