@@ -61,13 +61,19 @@ def _speed(model_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--tf32", action="store_true", help="leave cuDNN's TF32 on (torch's default)")
+    p.add_argument("--parity-only", action="store_true", help="skip the speed peek")
     args = p.parse_args()
+    # cuDNN may run fp32 convolutions in TF32; off by default so the fp32 comparison is strict
+    # (measured: the 0.8B gap of 2.2e-5 is the same either way, so TF32 is not its cause)
+    torch.backends.cudnn.allow_tf32 = args.tf32
     import transformers
 
     record: dict = {
         "git_commit": git_commit(),
         "device": device_info("cuda"),
         "transformers": transformers.__version__,
+        "cudnn_tf32": args.tf32,
         "checks": {},
     }
     work = Path(tempfile.mkdtemp())
@@ -80,10 +86,10 @@ def main() -> None:
             record["checks"][f"tiny_{dtype}"] = {"error": f"{type(exc).__name__}: {exc}"}
     q08 = work / "q08"
     write_checkpoint(preset("qwen3.5-0.8b"), q08, seed=0)
-    for name, fn in (
-        ("q08_float32", lambda: _parity(q08, "float32")),
-        ("q08_speed_bf16", lambda: _speed(q08)),
-    ):
+    checks = [("q08_float32", lambda: _parity(q08, "float32"))]
+    if not args.parity_only:
+        checks.append(("q08_speed_bf16", lambda: _speed(q08)))
+    for name, fn in checks:
         try:
             record["checks"][name] = fn()
         except Exception as exc:
