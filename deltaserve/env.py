@@ -22,6 +22,7 @@ class Env:
     num_threads: int  # DELTASERVE_NUM_THREADS: torch intra-op threads on CPU (0 = torch default)
     offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
+    huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
 
     @classmethod
     def read(cls) -> Env:
@@ -32,6 +33,7 @@ class Env:
             num_threads=int(os.environ.get("DELTASERVE_NUM_THREADS", "0") or 0),
             offline=_flag("HF_HUB_OFFLINE"),
             native=_flag("DELTASERVE_NATIVE", default=True),
+            huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
         )
 
 

@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
+from deltaserve.checkpoint.memory import advise_huge_pages
 from deltaserve.checkpoint.reader import TensorIndex, read_config
 from deltaserve.config import TextConfig
+from deltaserve.env import env
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.layers.linear import Linear
 from deltaserve.models.registry import text_config_for, text_model_class
@@ -46,6 +48,8 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
     with torch.device("meta"):
         model = cls(cfg, param_dtype, activation_dtype(param_dtype, dev))
     model = model.to_empty(device=dev)
+    if dev.type == "cpu" and env().huge_pages:
+        advise_huge_pages([p.data for p in model.parameters()])
     _copy_weights(model, cfg, TensorIndex.scan(model_dir))
     return model.eval(), cfg, raw
 
