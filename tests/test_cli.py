@@ -10,6 +10,13 @@ from deltaserve import SamplingParams
 from deltaserve.cli import main
 
 
+def _cli(*argv: str, input: str | None = None) -> subprocess.CompletedProcess:
+    """The real entry point in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "deltaserve", *argv], input=input, capture_output=True, text=True
+    )
+
+
 def test_generate_json_matches_the_api(capsys, tiny_dir, tiny_llm) -> None:
     rc = main(
         [
@@ -41,26 +48,19 @@ def test_generate_json_matches_the_api(capsys, tiny_dir, tiny_llm) -> None:
 
 
 def test_generate_stdout_carries_only_the_text(tiny_dir, tiny_llm) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltaserve",
-            "generate",
-            "--model",
-            str(tiny_dir),
-            "--dtype",
-            "float32",
-            "-p",
-            "Hi",
-            "--max-tokens",
-            "5",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-        ],
-        capture_output=True,
-        text=True,
+    proc = _cli(
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "-p",
+        "Hi",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--ignore-eos",
     )
     assert proc.returncode == 0, proc.stderr
     expected = tiny_llm.generate(
@@ -71,48 +71,34 @@ def test_generate_stdout_carries_only_the_text(tiny_dir, tiny_llm) -> None:
 
 
 def test_generate_reads_prompt_from_stdin(tiny_dir) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltaserve",
-            "generate",
-            "--model",
-            str(tiny_dir),
-            "--max-tokens",
-            "3",
-            "--temperature",
-            "0",
-            "--json",
-        ],
+    proc = _cli(
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+        "--json",
         input="Hello there",
-        capture_output=True,
-        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["prompt"] == "Hello there"
 
 
 def test_chat_reads_turns_from_stdin(tiny_dir) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltaserve",
-            "chat",
-            "--model",
-            str(tiny_dir),
-            "--max-tokens",
-            "4",
-            "--temperature",
-            "0",
-            "--no-think",
-            "--system",
-            "Be brief.",
-        ],
+    proc = _cli(
+        "chat",
+        "--model",
+        str(tiny_dir),
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--no-think",
+        "--system",
+        "Be brief.",
         input="hello\nsecond turn\n/exit\n",
-        capture_output=True,
-        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("tok/s]") == 2  # two replies

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_chunked
+from deltaserve.ops.gdn import gdn_chunked, gdn_gates
 from deltaserve.ops.gdn_decode import gdn_decode
 
 
@@ -68,8 +67,7 @@ class GatedDeltaNet(nn.Module):
         if self.num_v_heads != self.num_k_heads:  # value head h reads key head h // (HV/H)
             repeat = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        beta = torch.sigmoid(b.float())  # [B,T,HV]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
         o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True)
         recurrent.copy_(final)
         z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)

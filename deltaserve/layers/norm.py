@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.ops.norm import rms_norm
+from deltaserve.ops.norm import gated_rms_norm_ref, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +29,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float() * F.silu(z.float())).to(out_dtype)
+        return gated_rms_norm_ref(x, z, self.weight, self.eps).to(out_dtype)

@@ -18,6 +18,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projections a, b [..., HV] -> (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), fp32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
 def _prep_qk(
     q: torch.Tensor, k: torch.Tensor, qk_l2norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

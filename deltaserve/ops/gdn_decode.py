@@ -4,12 +4,12 @@ gated RMSNorm. The reference composes the prefill ops; the native kernel does it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltaserve.env import env
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_step
+from deltaserve.ops.gdn import gdn_gates, gdn_step
 from deltaserve.ops.native import native_lib
+from deltaserve.ops.norm import gated_rms_norm_ref
 
 
 def gdn_decode_ref(
@@ -25,12 +25,9 @@ def gdn_decode_ref(
     group = num_heads // num_k_heads
     q = q.reshape(bsz, num_k_heads, k_dim).repeat_interleave(group, 1)
     k = k.reshape(bsz, num_k_heads, k_dim).repeat_interleave(group, 1)
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    o = gdn_step(
-        q, k, v.reshape(bsz, num_heads, v_dim), g, torch.sigmoid(b.float()), state, qk_l2norm=True
-    )
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
-    o = o * F.silu(z.float().reshape(bsz, num_heads, v_dim))
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    o = gdn_step(q, k, v.reshape(bsz, num_heads, v_dim), g, beta, state, qk_l2norm=True)
+    o = gated_rms_norm_ref(o, z.reshape(bsz, num_heads, v_dim), norm_w, eps)
     return o.reshape(bsz, -1), window
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib
@@ -15,6 +16,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (weight.float() + offset)).to(x.dtype)
+
+
+def gated_rms_norm_ref(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """GDN output norm: rms_norm(x) * w * silu(z) in fp32 (plain w, norm before gate); returns fp32."""
+    return rms_norm_ref(x.float(), weight, eps, 0.0) * F.silu(z.float())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
