@@ -13,7 +13,7 @@ from deltaserve.engine.sampling import SamplingParams
 
 def _load(args: argparse.Namespace) -> LLM:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-    note = " — RANDOM WEIGHTS, output is noise" if llm.is_default_model else ""
+    note = " (the embedded default: a 19M-parameter Python-code model)" if llm.is_default_model else ""
     print(
         f"deltaserve: loaded {llm.model_dir} ({llm.model.dtype}, {args.device}) in {llm.load_s:.1f} s{note}",
         file=sys.stderr,

@@ -173,7 +173,10 @@ def test_bench_writes_a_traceable_record(capsys, tiny_dir, tmp_path) -> None:
     assert record["dtype"] == "bfloat16" and "name" in record["device"]
 
 
-def test_default_model_is_made_on_first_use_and_labelled(capsys) -> None:
-    assert main(["generate", "-p", "Hello", "--max-tokens", "3", "--temperature", "0"]) == 0
-    err = capsys.readouterr().err
-    assert "RANDOM WEIGHTS" in err
+def test_default_model_is_the_shipped_trained_one(capsys) -> None:
+    prompt = "import os\n\n\ndef list_python_files(path):\n"
+    assert main(["generate", "-p", prompt, "--max-tokens", "24", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "stdlib-19m" in captured.err and "tokens-per-sec" in captured.err
+    # a trained model continues a def with an indented body; random weights would not
+    assert captured.out.startswith("    ") and len(captured.out.strip()) > 20

@@ -1,35 +1,26 @@
-"""The embedded default model: until a trained one ships, a tiny synthetic checkpoint (random weights)."""
+"""The embedded default model: stdlib-19m, a small Qwen3.5 hybrid trained here, shipped in the package.
+
+Its model card is deltaserve/assets/stdlib-19m/README.md; scripts/train rebuilds it.
+"""
 
 from __future__ import annotations
 
-import sys
+from importlib import resources
 from pathlib import Path
 
-from deltaserve.env import env
+from deltaserve.errors import CheckpointError
 
-DEFAULT_NAME = "tiny-random-v1"
-DEFAULT_SEED = 0
+DEFAULT_NAME = "stdlib-19m"
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def default_model_dir() -> Path:
-    """Made on first use under the cache folder; stable across runs (fixed preset and seed)."""
-    out = env().cache_dir / "models" / DEFAULT_NAME
-    if not (out / "config.json").is_file() or not (out / "tokenizer.json").is_file():
-        from deltaserve.checkpoint.presets import preset
-        from deltaserve.checkpoint.writer import write_checkpoint
-
-        print(
-            f"deltaserve: making the default model (tiny preset, RANDOM weights) in {out}",
-            file=sys.stderr,
+    """The shipped checkpoint folder; a clear error if the install lost its files."""
+    path = Path(str(resources.files("deltaserve").joinpath("assets", DEFAULT_NAME)))
+    missing = [name for name in _REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"the embedded default model is incomplete ({', '.join(missing)} missing in {path}); "
+            "reinstall deltaserve or pass --model"
         )
-        tmp = out.with_name(out.name + ".tmp")
-        write_checkpoint(preset("tiny"), tmp, seed=DEFAULT_SEED)
-        tmp.replace(out) if not out.exists() else _replace_dir(tmp, out)
-    return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    import shutil
-
-    shutil.rmtree(dst)
-    src.replace(dst)
+    return path

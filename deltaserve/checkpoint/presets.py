@@ -13,7 +13,7 @@ def _layer_types(num_layers: int) -> list[str]:
     return [_F if (i + 1) % 4 == 0 else _L for i in range(num_layers)]
 
 
-def _qwen_text(
+def text_config(
     hidden: int, inter: int, layers: int, heads: int, kv: int, lk: int, lv: int, tie: bool
 ) -> dict[str, Any]:
     return {
@@ -89,7 +89,7 @@ def _qwen(text: dict[str, Any], vision: tuple[int, int, int, int, int]) -> dict[
 
 
 def _minicpm() -> dict[str, Any]:
-    text = _qwen_text(1024, 3584, 24, 8, 2, 16, 16, True)
+    text = text_config(1024, 3584, 24, 8, 2, 16, 16, True)
     text.pop("dtype")
     text["vocab_size"], text["partial_rotary_factor"] = 248094, 0.25
     text["rope_parameters"] = {
@@ -130,7 +130,7 @@ def _minicpm() -> dict[str, Any]:
 
 def _tiny() -> dict[str, Any]:
     """A flat text-only config small enough for tests; V heads != K heads on purpose."""
-    cfg = _qwen_text(128, 256, 8, 4, 2, 2, 4, True)
+    cfg = text_config(128, 256, 8, 4, 2, 2, 4, True)
     cfg.update(
         head_dim=64,
         linear_key_head_dim=32,
@@ -173,7 +173,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", _tiny(), 0, generation_config=_QWEN_GEN),
     "qwen3.5-0.8b": Preset(
         "qwen3.5-0.8b",
-        _qwen(_qwen_text(1024, 3584, 24, 8, 2, 16, 16, True), (12, 768, 3072, 12, 1024)),
+        _qwen(text_config(1024, 3584, 24, 8, 2, 16, 16, True), (12, 768, 3072, 12, 1024)),
         1,
         488,
         1_746_882_752,
@@ -181,7 +181,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "qwen3.5-2b": Preset(
         "qwen3.5-2b",
-        _qwen(_qwen_text(2048, 6144, 24, 8, 2, 16, 16, True), (24, 1024, 4096, 16, 2048)),
+        _qwen(text_config(2048, 6144, 24, 8, 2, 16, 16, True), (24, 1024, 4096, 16, 2048)),
         1,
         632,
         4_548_144_832,
@@ -189,7 +189,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "qwen3.5-27b": Preset(
         "qwen3.5-27b",
-        _qwen(_qwen_text(5120, 17408, 64, 24, 4, 16, 48, False), (27, 1152, 4304, 16, 5120)),
+        _qwen(text_config(5120, 17408, 64, 24, 4, 16, 48, False), (27, 1152, 4304, 16, 5120)),
         11,
         1199,
         55_562_872_800,
