@@ -59,5 +59,20 @@ def tiny_reference(tiny_dir):
     return load_reference(tiny_dir)
 
 
+@pytest.fixture(scope="session")
+def default_dir() -> Path:
+    """The shipped default model, stdlib-19m."""
+    from deltaserve.checkpoint.default import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_dir):
+    from deltaserve import LLM
+
+    return LLM(default_dir, dtype="float32")
+
+
 def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())

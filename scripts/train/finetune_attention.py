@@ -91,11 +91,12 @@ def make_rows(args, nt, stream: np.ndarray):
 def step_loss(model, layer_idx, hidden, tokens, mask, lm_positions: int, gen):
     h = tail_forward(model, layer_idx, hidden)
     labels = tokens[:, 1:]
-    answer = F.cross_entropy(model.lm_head(h[mask]), labels[mask])
+    answer_logits = model.lm_head(h[mask])
+    answer = F.cross_entropy(answer_logits, labels[mask])
     pick = torch.randint(0, labels.shape[1], (labels.shape[0], lm_positions), generator=gen)
     h_lm = torch.gather(h, 1, pick[..., None].expand(-1, -1, h.shape[-1]))
     lm = F.cross_entropy(model.lm_head(h_lm).flatten(0, 1), torch.gather(labels, 1, pick).flatten())
-    hit = (model.lm_head(h[mask]).argmax(-1) == labels[mask]).float().mean()
+    hit = (answer_logits.argmax(-1) == labels[mask]).float().mean()
     return answer, lm, hit
 
 

@@ -86,7 +86,7 @@ def load_weights(path: Path, model, mtp) -> None:
 
 
 def losses(model, mtp, tokens, answer_mask):
-    """(lm, mtp, answer) mean CE; answer is NaN-free only where the batch has needle rows."""
+    """(lm, mtp, answer) mean CE (answer is 0 without needle rows) and the next-token logits."""
     x, y = tokens[:, :-1], tokens[:, 1:]
     with torch.autocast(tokens.device.type, torch.bfloat16):
         hidden = model.model(input_ids=x).last_hidden_state
@@ -97,8 +97,7 @@ def losses(model, mtp, tokens, answer_mask):
         logits2 = model.lm_head(h2).float()
         ce2 = F.cross_entropy(logits2.flatten(0, 1), y[:, 1:].flatten())
     answer = ce[answer_mask].mean() if answer_mask.any() else ce.new_zeros(())
-    hit = (logits.argmax(-1) == y) | ~answer_mask
-    return ce.mean(), ce2, answer, hit
+    return ce.mean(), ce2, answer, logits
 
 
 @torch.no_grad()
@@ -115,7 +114,8 @@ def evaluate(model, mtp, heldout: torch.Tensor, seq_len: int, needle_sets) -> di
     for name, (tokens, mask) in needle_sets.items():
         ok = []
         for j in range(0, len(tokens), 4):
-            _, _, _, hit = losses(model, mtp, tokens[j : j + 4], mask[j : j + 4])
+            _, _, _, logits = losses(model, mtp, tokens[j : j + 4], mask[j : j + 4])
+            hit = (logits.argmax(-1) == tokens[j : j + 4, 1:]) | ~mask[j : j + 4]
             ok += hit.all(-1).tolist()
         out[f"needle_{name}"] = sum(ok) / len(ok)
     model.train()

@@ -9,7 +9,6 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.bench import needle
-from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.errors import ConfigError
 from deltaserve.validate.reference import load_reference
 
@@ -18,22 +17,17 @@ NUM_ANSWER_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return default_model_dir()
+def filler(default_dir):
+    return needle.heldout_filler(default_dir / "manifest.json")
 
 
 @pytest.fixture(scope="module")
-def filler(model_dir):
-    return needle.heldout_filler(model_dir / "manifest.json")
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir):
+def engines(default_dir, default_llm):
     return {
-        ("ours", "float32"): LLM(model_dir, dtype="float32"),
-        ("ours", "bfloat16"): LLM(model_dir, dtype="bfloat16"),
-        ("transformers", "float32"): load_reference(model_dir),
-        ("transformers", "bfloat16"): load_reference(model_dir, torch.bfloat16),
+        ("ours", "float32"): default_llm,
+        ("ours", "bfloat16"): LLM(default_dir, dtype="bfloat16"),
+        ("transformers", "float32"): load_reference(default_dir),
+        ("transformers", "bfloat16"): load_reference(default_dir, torch.bfloat16),
     }
 
 
