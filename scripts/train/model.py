@@ -15,12 +15,14 @@ MODEL_NAME = "stdlib-19m"
 MAX_CONTEXT_LEN = 8192
 
 
-def model_config(vocab_size: int) -> dict:
-    """8 layers (GDN x3 + gated attention) x 2, hidden 384: ~19M parameters, ~37 MB in bf16."""
-    cfg = text_config(384, 896, 8, 6, 2, 6, 6, True)
+def model_config(
+    vocab_size: int, attn_head_dim: int = 64, attn_heads: int = 6, attn_kv_heads: int = 2
+) -> dict:
+    """8 layers (GDN x3 + gated attention) x 2, hidden 384: ~19M parameters, ~37-39 MB in bf16."""
+    cfg = text_config(384, 896, 8, attn_heads, attn_kv_heads, 6, 6, True)
     cfg.update(
         architectures=["Qwen3_5ForCausalLM"],
-        head_dim=64,
+        head_dim=attn_head_dim,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         vocab_size=vocab_size,
@@ -29,8 +31,11 @@ def model_config(vocab_size: int) -> dict:
         bos_token_id=None,
         pad_token_id=0,
     )
-    # rotary dim = head_dim * 0.25 = 16, i.e. 8 frequencies split over the three mrope axes
-    cfg["rope_parameters"]["mrope_section"] = [3, 3, 2]
+    # rotary dim = head_dim * 0.25 (16 at head_dim 64): head_dim / 8 frequencies over three axes
+    freqs = attn_head_dim // 8
+    first = -(-freqs // 3)
+    second = -(-(freqs - first) // 2)
+    cfg["rope_parameters"]["mrope_section"] = [first, second, freqs - first - second]
     return cfg
 
 
