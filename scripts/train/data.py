@@ -94,6 +94,19 @@ def repeat_row(stream: np.ndarray, eos_id: int, seq_len: int, rng) -> np.ndarray
     return np.concatenate(parts)[: seq_len + 1]
 
 
+def random_repeat_row(nt: NeedleTokens, seq_len: int, rng) -> np.ndarray:
+    """seq_len+1 tokens of [EOS, s, newline, s] episodes, s a random key-alphabet string: copying
+    text that no n-gram statistics predict, the exact skill a needle answer needs."""
+    parts, total = [], 0
+    while total < seq_len + 1:
+        n_chars = int(rng.integers(6, 64))
+        text = "".join(rng.choice(list(needle.KEY_CHARS), n_chars))
+        ids = nt.encode(text)
+        parts.append(np.concatenate([[nt.eos_id], ids, nt.encode("\n"), ids]))
+        total += parts[-1].size
+    return np.concatenate(parts)[: seq_len + 1]
+
+
 def make_batch(
     stream_gpu: torch.Tensor,
     stream_np: np.ndarray,
@@ -105,10 +118,12 @@ def make_batch(
     key_rng: random.Random,
     num_repeat: int = 0,
     single_episode: bool = False,
+    num_random_repeat: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, T+1], answer mask [B, T] over label positions) on the stream's device.
 
-    Rows [0, num_needle) are needle rows, the next num_repeat are repeat rows, the rest plain text.
+    Rows [0, num_needle) are needle rows, then num_repeat repeat rows, then num_random_repeat
+    random-string repeat rows; the rest are plain text.
     """
     device = stream_gpu.device
     starts = torch.randint(0, stream_gpu.numel() - seq_len - 1, (batch,), device=device)
@@ -129,6 +144,9 @@ def make_batch(
         mask[row] = torch.from_numpy(answer_mask).to(device)
     for row in range(num_needle, num_needle + num_repeat):
         tokens[row] = torch.from_numpy(repeat_row(stream_np, nt.eos_id, seq_len, rng)).to(device)
+    first = num_needle + num_repeat
+    for row in range(first, first + num_random_repeat):
+        tokens[row] = torch.from_numpy(random_repeat_row(nt, seq_len, rng)).to(device)
     return tokens, mask
 
 

@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-len", type=int, default=MAX_CONTEXT_LEN)
     ap.add_argument("--long-batch", type=int, default=2)
     ap.add_argument("--num-repeat", type=int, default=0, help="repeat rows per batch")
+    ap.add_argument("--num-random-repeat", type=int, default=0,
+                    help="rows of repeated random key-alphabet strings per batch")
     ap.add_argument("--single-episode", action="store_true",
                     help="one needle episode per needle row (stage 1) instead of packed episodes")
     ap.add_argument("--answer-weight", type=float, default=1.0)
@@ -113,7 +115,7 @@ def evaluate(model, mtp, heldout: torch.Tensor, seq_len: int, needle_sets) -> di
         tokens = heldout[idx + torch.arange(seq_len + 1, device=heldout.device)]
         lm, l2, _, _ = losses(model, mtp, tokens, torch.zeros_like(tokens[:, 1:], dtype=torch.bool))
         tot, tot2, count = tot + lm.item() * len(idx), tot2 + l2.item() * len(idx), count + len(idx)
-    out = {"heldout_loss": tot / count, "heldout_mtp_loss": tot2 / count}
+    out = {"heldout_loss": tot / count, "heldout_mtp_loss": tot2 / count, **copy_losses(model, heldout)}
     for name, (tokens, mask) in needle_sets.items():
         ok = []
         for j in range(0, len(tokens), 4):
@@ -123,6 +125,18 @@ def evaluate(model, mtp, heldout: torch.Tensor, seq_len: int, needle_sets) -> di
         out[f"needle_{name}"] = sum(ok) / len(ok)
     model.train()
     return out
+
+
+def copy_losses(model, heldout: torch.Tensor, chunk_len: int = 200) -> dict:
+    """Held-out CE on the first and the second copy of [chunk, chunk] rows: a model that copies
+    in context drives the second far below the first (the precondition for needle retrieval)."""
+    chunks = [heldout[i * 9973 : i * 9973 + chunk_len] for i in range(8)]
+    pairs = torch.stack([torch.cat([c, c]) for c in chunks])
+    with torch.autocast(pairs.device.type, torch.bfloat16):
+        logits = model(pairs[:, :-1]).logits.float()
+    ce = F.cross_entropy(logits.transpose(1, 2), pairs[:, 1:], reduction="none")
+    return {"copy_first": ce[:, : chunk_len - 1].mean().item(),
+            "copy_second": ce[:, chunk_len:].mean().item()}
 
 
 def unigram_loss(train: np.ndarray, heldout: np.ndarray, vocab: int) -> float:
@@ -193,7 +207,8 @@ def train_loop(args, model, mtp, opt, train_gpu, train_np, held_gpu, nt, needle_
         shape = ((args.long_batch, args.long_len, args.long_batch // 2) if long
                  else (args.batch, args.seq_len, args.num_needle))
         tokens, mask = batches.make_batch(train_gpu, train_np, nt, *shape, rng, key_rng,
-                                          0 if long else args.num_repeat, args.single_episode)
+                                          0 if long else args.num_repeat, args.single_episode,
+                                          0 if long else args.num_random_repeat)
         lm, l2, answer, _ = losses(model, mtp, tokens, mask)
         loss = lm + MTP_WEIGHT * l2 + args.answer_weight * answer
         opt.zero_grad(set_to_none=True)
