@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
+    hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
+    _model_args(hay, dtype_default="float32")
+    hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
+    hay.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
+    hay.add_argument("--keys", type=int, default=3, help="fresh keys per (length, depth)")
+    hay.add_argument("--out", default=None, help="write the JSON record here too")
     return parser
 
 
@@ -98,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             from deltaserve.validate.compare import run_validate
 
             return run_validate(args)
+        if args.command == "needle":
+            from deltaserve.bench.needle_run import run_needle
+
+            return run_needle(args)
         from deltaserve.bench.cpu import run_bench
 
         return run_bench(args)

@@ -4,7 +4,8 @@
 
 Loss = next-token CE + 0.3 x MTP (token t+2) CE + needle-answer CE (the answer tokens of the
 retrieval episodes, averaged on their own so the rare tokens carry weight). The checkpoint that
-retrieves best (then: lowest held-out loss) is kept. Everything needed to reproduce it goes into train_log.json.
+retrieves best (then: lowest held-out loss) is kept. Everything needed to reproduce it goes
+into train_log.json.
 """
 
 from __future__ import annotations

@@ -76,11 +76,6 @@ def test_engines_agree_on_the_needle_answer(engines, filler, context_len) -> Non
     assert ours == continuation(engines[("transformers", "float32")], p.ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stdlib-19m v1 never learned in-context retrieval (attention stayed diffuse); "
-    "retraining is issue 3's open item. strict: this turns red once a model retrieves.",
-)
 @pytest.mark.parametrize("engine", ["ours", "transformers"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("context_len", [2048, 8192])
