@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from deltaserve.errors import DeltaserveError
 
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
+    qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
+    qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
+    qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
+    qz.add_argument("out", help="output folder (new or empty)")
     hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
     _model_args(hay, dtype_default="float32")
     hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
@@ -85,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     hay.add_argument("--keys", type=int, default=3, help="fresh keys per (length, depth)")
     hay.add_argument("--out", default=None, help="write the JSON record here too")
     return parser
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from deltaserve.checkpoint.default import default_model_dir
+    from deltaserve.checkpoint.hub import resolve_model_dir
+    from deltaserve.quant.convert import quantize_checkpoint
+
+    model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    summary = quantize_checkpoint(model_dir, args.format, Path(args.out))
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             from deltaserve.validate.compare import run_validate
 
             return run_validate(args)
+        if args.command == "quantize":
+            return _quantize(args)
         if args.command == "needle":
             from deltaserve.bench.needle_run import run_needle
 

@@ -14,6 +14,7 @@ from deltaserve.env import env
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.layers.linear import Linear
 from deltaserve.models.registry import text_config_for, text_model_class
+from deltaserve.quant.loading import from_mlx, is_mlx_layout, quantize_model_
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,12 +46,14 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
         # slower on x86: flushing them to zero took 0.8B prefill from 107 to 147 tok/s here.
         torch.set_flush_denormal(True)
     cls = text_model_class(raw["model_type"])
+    index = TensorIndex.scan(model_dir)
     with torch.device("meta"):
         model = cls(cfg, param_dtype, activation_dtype(param_dtype, dev))
+        quantize_model_(model, raw, index)
     model = model.to_empty(device=dev)
     if dev.type == "cpu" and env().huge_pages:
         advise_huge_pages([p.data for p in model.parameters()])
-    _copy_weights(model, cfg, TensorIndex.scan(model_dir))
+    _copy_weights(model, cfg, index, from_mlx if is_mlx_layout(index) else None)
     return model.eval(), cfg, raw
 
 
@@ -69,7 +72,7 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex) -> None:
+def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex, fix=None) -> None:
     targets = checkpoint_targets(model)
     missing = [name for name in targets if name not in index.locations]
     if missing:
@@ -77,12 +80,16 @@ def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex) -
         raise CheckpointError(f"checkpoint is missing tensor '{missing[0]}'{more}")
     for name, tensor in index.tensors(list(targets)):
         target = targets[name]
+        if fix is not None:
+            tensor = fix(name, tensor)
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(target.shape)}"
             )
-        if not tensor.dtype.is_floating_point:
+        if target.dtype.is_floating_point != tensor.dtype.is_floating_point or (
+            not target.dtype.is_floating_point and tensor.dtype != target.dtype
+        ):
             raise CheckpointError(
-                f"tensor '{name}' has dtype {tensor.dtype}; expected a float type"
+                f"tensor '{name}' has dtype {tensor.dtype}; expected {target.dtype}"
             )
         target.copy_(tensor)

@@ -71,6 +71,16 @@ class TensorIndex:
             raise CheckpointError(f"no language-model tensors found in {model_dir}")
         return cls(locations)
 
+    def meta(self, name: str) -> tuple[list[int], torch.dtype]:
+        """(shape, dtype) of one tensor from the file header, without reading its data."""
+        file, key = self.locations[name]
+        with _open(file) as handle:
+            sl = handle.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise CheckpointError(f"tensor '{name}' has unsupported dtype {sl.get_dtype()}")
+            return list(sl.get_shape()), dtype
+
     def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (our name, tensor) for `names`, opening each file once."""
         by_file: dict[Path, list[str]] = {}
@@ -86,6 +96,12 @@ class TensorIndex:
                         raise CheckpointError(
                             f"cannot read tensor '{ours}' from {file}: {exc}"
                         ) from exc
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+    "U8": torch.uint8, "U32": torch.uint32, "I32": torch.int32, "I64": torch.int64,
+}
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -37,7 +37,13 @@ class Linear(nn.Module):
         self.parts = parts
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features, dtype=dtype), False)
 
+    scheme = None  # a quant.schemes.Scheme once quant.linear.quantize_module_ has packed it
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme is not None:
+            from deltaserve.quant.linear import quant_linear
+
+            return quant_linear(x, self)
         return linear(x, self.weight)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -9,10 +9,11 @@ from deltaserve.cache.state import SequenceState
 from deltaserve.config import FULL, TextConfig
 from deltaserve.layers.attention import GatedAttention
 from deltaserve.layers.gated_deltanet import GatedDeltaNet
-from deltaserve.layers.linear import linear
+from deltaserve.layers.linear import Linear, linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
+from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
 
 class DecoderLayer(nn.Module):
@@ -58,24 +59,24 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.cfg, self.dtype, self.act_dtype = cfg, dtype, act_dtype
         self.model = Backbone(cfg, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), False
-            )
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self._rotary: Rotary | None = None
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        return (
-            self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        )
+    def head(self) -> nn.Module:
+        """The module whose weight [vocab, N] maps hidden states to logits (maybe quantized)."""
+        return self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
 
     def new_state(self, batch_size: int = 1) -> SequenceState:
-        return SequenceState.empty(self.cfg, batch_size, self.act_dtype, self.head_weight.device)
+        return SequenceState.empty(self.cfg, batch_size, self.act_dtype, self.device)
 
     def rotary(self) -> Rotary:
         if self._rotary is None:
-            device = self.head_weight.device
+            device = self.device
             self._rotary = Rotary(self.cfg.rotary_dim, self.cfg.rope_theta, device)
         return self._rotary
 
@@ -83,7 +84,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]."""
         seq_len = input_ids.shape[1]
-        x = self.model.embed_tokens(input_ids).to(self.act_dtype)
+        x = embed(self.model.embed_tokens, input_ids).to(self.act_dtype)
         positions = torch.arange(state.position, state.position + seq_len, device=x.device)
         cos_sin = self.rotary().cos_sin(positions, self.act_dtype)
         for idx, layer in enumerate(self.model.layers):
@@ -99,4 +100,5 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, state)
         if not all_logits:
             h = h[:, -1]
-        return linear(h, self.head_weight).float()
+        head = self.head
+        return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()

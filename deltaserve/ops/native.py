@@ -62,6 +62,10 @@ def _build() -> ctypes.CDLL | None:
         [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int]
     )
     lib.ds_rmsnorm.restype = None
+    for name, num_ptrs in (("ds_gemv_q8", 4), ("ds_gemv_a4", 5), ("ds_gemv_q1", 4)):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int]
+        fn.restype = None
     return lib
 
 

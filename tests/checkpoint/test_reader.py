@@ -112,5 +112,5 @@ def test_mixed_dtypes_on_disk_and_in_memory(tiny_dir) -> None:
 def test_tied_head_reads_the_embedding(tiny_dir) -> None:
     model, cfg, _ = load_text_model(tiny_dir, "float32")
     assert cfg.tie_word_embeddings
-    assert model.head_weight is model.model.embed_tokens.weight
+    assert model.head is model.model.embed_tokens
     assert "lm_head.weight" not in TensorIndex.scan(tiny_dir).locations

@@ -1,0 +1,119 @@
+// Decode GEMVs that read quantized weights directly: fp32 activations, scales and accumulation.
+//   q8: w = s * q, q int8 [N,K], s fp32 [N,K/G]
+//   a4: w = s * q + b, q 4-bit codes, byte i of a row holds elements 2i (low) and 2i+1 (high)
+//   q1: w = s * (2b - 1), bit k%8 of byte k/8 is element k
+// Per group: dot(codes, x) times the scale, plus bias times sum(x over the group) (a4) or minus
+// sum(x) (q1), so each code is touched once. ops/qgemv.py holds the torch reference.
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static void group_sums(const float* x, float* xs, long K, long G) {
+  for (long g = 0; g < K / G; g++) {
+    float s = 0.f;
+    for (long k = 0; k < G; k++) s += x[g * G + k];
+    xs[g] = s;
+  }
+}
+
+static float row_q8(const int8_t* w, const float* s, const float* x, long K, long G) {
+  float acc = 0.f;
+  for (long g = 0; g < K / G; g++) {
+    const int8_t* wg = w + g * G;
+    const float* xg = x + g * G;
+    float part = 0.f;
+    long k = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; k + 16 <= G; k += 16) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(wg + k));
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_loadu_ps(xg + k), v);
+    }
+    part = _mm512_reduce_add_ps(v);
+#endif
+    for (; k < G; k++) part += (float)wg[k] * xg[k];
+    acc += part * s[g];
+  }
+  return acc;
+}
+
+// xe/xo: x at even / odd positions, so low and high nibbles each meet a contiguous x vector.
+static float row_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
+                    const float* xo, const float* xs, long K, long G) {
+  float acc = 0.f;
+  for (long g = 0; g < K / G; g++) {
+    const uint8_t* wg = w + g * G / 2;
+    const float* eg = xe + g * G / 2;
+    const float* og = xo + g * G / 2;
+    float part = 0.f;
+    long i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    const __m512i m = _mm512_set1_epi32(0xF);
+    for (; i + 16 <= G / 2; i += 16) {
+      __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wg + i)));
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), _mm512_loadu_ps(eg + i), v);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(og + i), v);
+    }
+    part = _mm512_reduce_add_ps(v);
+#endif
+    for (; i < G / 2; i++) part += (float)(wg[i] & 0xF) * eg[i] + (float)(wg[i] >> 4) * og[i];
+    acc += part * s[g] + b[g] * xs[g];
+  }
+  return acc;
+}
+
+static float row_q1(const uint8_t* w, const float* s, const float* x, const float* xs, long K,
+                    long G) {
+  float acc = 0.f;
+  for (long g = 0; g < K / G; g++) {
+    const uint8_t* wg = w + g * G / 8;
+    const float* xg = x + g * G;
+    float part = 0.f;
+    long k = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; k + 16 <= G; k += 16) {
+      __mmask16 bits = (__mmask16)(wg[k / 8] | (wg[k / 8 + 1] << 8));
+      v = _mm512_mask_add_ps(v, bits, v, _mm512_loadu_ps(xg + k));
+    }
+    part = _mm512_reduce_add_ps(v);
+#endif
+    for (; k < G; k++) part += ((wg[k / 8] >> (k % 8)) & 1) ? xg[k] : 0.f;
+    acc += s[g] * (2.f * part - xs[g]);
+  }
+  return acc;
+}
+
+void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
+                int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
+}
+
+void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
+                long K, long G, int num_threads) {
+  float* xe = malloc(sizeof(float) * (K / 2 + K / G + 1) * 2);
+  float* xo = xe + K / 2;
+  float* xs = xo + K / 2;
+  for (long i = 0; i < K / 2; i++) {
+    xe[i] = x[2 * i];
+    xo[i] = x[2 * i + 1];
+  }
+  group_sums(x, xs, K, G);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++)
+    y[n] = row_a4(w + n * (K / 2), s + n * (K / G), b + n * (K / G), xe, xo, xs, K, G);
+  free(xe);
+}
+
+void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
+                int num_threads) {
+  float* xs = malloc(sizeof(float) * (K / G + 1));
+  group_sums(x, xs, K, G);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++) y[n] = row_q1(w + n * (K / 8), s + n * (K / G), x, xs, K, G);
+  free(xs);
+}

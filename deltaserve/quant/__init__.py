@@ -1,0 +1,1 @@
+"""Quantized weights: schemes (pack/unpack references), the quantized Linear/embedding, `quantize`."""

@@ -1,0 +1,82 @@
+"""`deltaserve quantize`: a checkpoint folder -> the same folder quantized in our format.
+
+Every language-model Linear (packed projections quantized per checkpoint tensor) and the
+embedding (the tied head reads it) are quantized where their input width is a multiple of the
+group; everything else (norms, conv, A_log, dt_bias, MTP, vision) is copied unchanged, under the
+original tensor names. config.json gains a `quantization` block.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from deltaserve.checkpoint.reader import TensorIndex, lm_name, read_config
+from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.quant.loading import module_checkpoint_names, quant_block
+from deltaserve.quant.schemes import FORMATS, Scheme, quantize
+
+SCALE_DTYPE = torch.float16
+
+
+def quantizable_names(model_dir: Path) -> set[str]:
+    """Our names (`model.layers.0.mlp.down_proj`) of the modules `quantize` packs."""
+    from deltaserve.models.registry import text_config_for, text_model_class
+
+    raw = read_config(model_dir)
+    cfg = text_config_for(raw)
+    with torch.device("meta"):
+        model = text_model_class(raw["model_type"])(cfg, torch.bfloat16, torch.float32)
+    return {n for _, names in module_checkpoint_names(model) for n in names}
+
+
+def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path) -> dict:
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format '{fmt}' (choose {', '.join(FORMATS)})")
+    scheme = FORMATS[fmt]
+    raw = read_config(model_dir)
+    if quant_block(raw):
+        raise CheckpointError(f"{model_dir} is already quantized; start from the float checkpoint")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"output folder {out_dir} is not empty")
+    targets = quantizable_names(model_dir)
+    index = TensorIndex.scan(model_dir)  # also validates the folder
+    files = sorted({f for f, _ in index.locations.values()})
+    tensors: dict[str, torch.Tensor] = {}
+    num_quantized, kept_float = 0, []
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                t = handle.get_tensor(key)
+                ours = lm_name(key)
+                module = ours.removesuffix(".weight") if ours and ours.endswith(".weight") else None
+                if module in targets and t.dim() == 2:
+                    if t.shape[1] % scheme.group_size:
+                        kept_float.append(key)
+                    else:
+                        base = key.removesuffix(".weight")
+                        for leaf, v in quantize(t, scheme, SCALE_DTYPE).items():
+                            tensors[f"{base}.{leaf}"] = v.contiguous()
+                        num_quantized += 1
+                        continue
+                tensors[key] = t.contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    raw["quantization"] = _block(fmt, scheme)
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+            "config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out_dir / f.name)
+    return {"format": fmt, "num_quantized": num_quantized, "kept_float": kept_float,
+            "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}
+
+
+def _block(fmt: str, s: Scheme) -> dict:
+    return {"format": f"deltaserve-{fmt}", "kind": s.kind, "bits": s.bits,
+            "group_size": s.group_size, "scale_dtype": "float16"}

@@ -1,0 +1,83 @@
+"""Quantized Linear / embedding / head: packed weights in place of the dense `weight`.
+
+A module becomes quantized on the meta device before it is materialised (`quantize_module_`): its
+`weight` parameter is replaced by the packed codes, and `scales` (and `biases`) parameters appear,
+all with the checkpoint's names, so a packed q|k|v Linear still loads by row slices. Scales are
+kept in fp32 (widened exactly from the file's fp16/bf16): the kernels read one scale dtype.
+
+Prefill (>= WIDEN_MIN_ROWS rows) dequantizes once into the reused scratch buffer and runs the dense
+GEMM; decode rows go to a native GEMV that reads the packed codes (ops/qgemv.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.layers.linear import MAX_SCRATCH_NUMEL, WIDEN_MIN_ROWS, _scratch
+from deltaserve.ops.qgemv import qgemv
+from deltaserve.quant.schemes import Scheme, dequantize
+
+
+def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
+    """Swap `module.weight` [N, K] for packed parameters of `scheme` (shapes only; on meta)."""
+    rows, cols = module.weight.shape
+    scheme.check_cols(cols, type(module).__name__)
+    device = module.weight.device
+    del module.weight
+    packed = torch.empty(scheme.packed_shape(rows, cols), dtype=scheme.packed_dtype(), device=device)
+    module.weight = nn.Parameter(packed, False)
+    groups = (rows, cols // scheme.group_size)
+    module.scales = nn.Parameter(torch.empty(groups, dtype=torch.float32, device=device), False)
+    if scheme.has_biases():
+        module.biases = nn.Parameter(torch.empty(groups, dtype=torch.float32, device=device), False)
+    module.scheme = scheme
+    module.in_cols = cols
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return getattr(module, "scheme", None) is not None
+
+
+def packed(module: nn.Module, rows: slice | torch.Tensor | None = None) -> dict:
+    sel = (lambda t: t) if rows is None else (lambda t: t[rows])
+    out = {"weight": sel(module.weight), "scales": sel(module.scales)}
+    if module.scheme.has_biases():
+        out["biases"] = sel(module.biases)
+    return out
+
+
+def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight in `dtype`, in the reused scratch buffer (valid until the next call)."""
+    w = dequantize(packed(module), module.scheme, dtype)
+    if w.numel() > MAX_SCRATCH_NUMEL:
+        return w
+    key = (w.device, dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < w.numel():
+        buf = _scratch[key] = torch.empty(w.numel(), dtype=dtype, device=w.device)
+    out = buf[: w.numel()].view(w.shape)
+    out.copy_(w)
+    return out
+
+
+def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, dequantized(module, x.dtype))
+    flat = x.reshape(rows, x.shape[-1])
+    p = packed(module)
+    out = torch.cat([qgemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def embed(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of a (possibly quantized) embedding table; quantized rows are dequantized alone, by the
+    same function that dequantizes the whole table (so bit-identical to it)."""
+    if not is_quantized(module):
+        return F.embedding(ids, module.weight)
+    flat = ids.reshape(-1)
+    rows = dequantize(packed(module, flat), module.scheme, torch.float32)
+    return rows.reshape(*ids.shape, rows.shape[-1])
