@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
     qz.add_argument("out", help="output folder (new or empty)")
+    gg = sub.add_parser("import-gguf", help="convert a qwen35 GGUF file into a checkpoint folder")
+    gg.add_argument("gguf", help="the .gguf file")
+    gg.add_argument("out", help="output folder")
+    gg.add_argument("--tokenizer-from", default=None, help="folder with the model's tokenizer.json")
     hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
     _model_args(hay, dtype_default="float32")
     hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
@@ -122,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_validate(args)
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "import-gguf":
+            from deltaserve.quant.gguf_import import import_gguf
+
+            tok = Path(args.tokenizer_from) if args.tokenizer_from else None
+            print(json.dumps(import_gguf(Path(args.gguf), Path(args.out), tok), indent=2))
+            return 0
         if args.command == "needle":
             from deltaserve.bench.needle_run import run_needle
 

@@ -1,0 +1,205 @@
+"""GGUF (llama.cpp, architecture `qwen35`) -> a deltaserve checkpoint folder.
+
+Read with the `gguf` package; names and transforms are the inverse of llama.cpp's conversion
+(formats.md section 6): (1+w) norms stored +1, `ssm_a` = -exp(A_log), conv stored [C, 4].
+Q8_0 -> int8 (group 32), Q4_0 -> 4-bit affine (group 32, bias -8d), Q1_0 -> q1 (group 128); the
+block bytes are repacked, never dequantized, so the values are exactly the file's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from deltaserve.checkpoint.presets import text_config
+from deltaserve.errors import CheckpointError
+from deltaserve.quant.schemes import Scheme, pack_codes
+
+_RENAME = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight":
+    "post_attention_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight":
+    "linear_attn.in_proj_z.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_conv1d.weight":
+    "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_SHIFTED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+            "k_norm.weight")
+_SCHEMES = {"Q8_0": Scheme("int8", 8, 32), "Q4_0": Scheme("affine", 4, 32), "Q1_0": Scheme("q1", 1, 128)}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q1_0": 18}
+
+
+def hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _RENAME:
+        return f"model.layers.{parts[1]}.{_RENAME[parts[2]]}"
+    return None
+
+
+def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) -> dict:
+    try:
+        import gguf
+    except ImportError as exc:
+        raise CheckpointError("reading GGUF needs the gguf package: pip install 'deltaserve[gguf]'") from exc
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the package raises ValueError/struct errors on bad files
+        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "qwen35":
+        raise CheckpointError(f"GGUF architecture '{arch}' is not supported (only qwen35)")
+    config = _config(meta, reader)
+    tensors, schemes = _tensors(reader, config)
+    tok_src = tokenizer_dir or path.parent
+    if not (tok_src / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"no tokenizer.json in {tok_src}: the GGUF's embedded tokenizer is not converted; "
+            "pass --tokenizer-from FOLDER (the original model's folder)"
+        )
+    config["quantization"] = _block(schemes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (tok_src / name).is_file():
+            shutil.copy(tok_src / name, out_dir / name)
+    return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir)}
+
+
+def _metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - unreadable or exotic fields are not needed
+            continue
+    return out
+
+
+def _config(meta: dict, reader) -> dict:
+    def get(key, default=None):
+        value = meta.get(f"qwen35.{key}", default)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks qwen35.{key}")
+        return value
+
+    layers = int(get("block_count")) - int(meta.get("qwen35.nextn_predict_layers", 0) or 0)
+    num_v, num_k = int(get("ssm.time_step_rank")), int(get("ssm.group_count"))
+    if num_v != num_k:
+        raise CheckpointError("GGUF value-head reordering (Hv != Hk) is not supported yet")
+    head_dim = int(get("attention.key_length"))
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    cfg = text_config(int(get("embedding_length")), int(get("feed_forward_length")), layers,
+                      int(get("attention.head_count")), int(get("attention.head_count_kv")),
+                      num_k, num_v, "output.weight" not in names)
+    cfg.update(
+        architectures=["Qwen3_5ForCausalLM"], head_dim=head_dim,
+        linear_key_head_dim=int(get("ssm.state_size")),
+        linear_value_head_dim=int(get("ssm.inner_size")) // num_v,
+        linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        vocab_size=int(embd.shape[-1]), full_attention_interval=int(get("full_attention_interval")),
+        mtp_num_hidden_layers=0,
+    )
+    cfg["layer_types"] = ["full_attention" if (i + 1) % cfg["full_attention_interval"] == 0
+                          else "linear_attention" for i in range(layers)]
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        cfg["eos_token_id"] = int(eos)
+    rope = cfg["rope_parameters"]
+    rope["rope_theta"] = float(get("rope.freq_base"))
+    rope["partial_rotary_factor"] = int(get("rope.dimension_count")) / head_dim
+    rope["mrope_section"] = [int(x) for x in list(get("rope.dimension_sections"))[:3]]
+    return cfg
+
+
+def _tensors(reader, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
+    tensors, schemes = {}, {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue  # MTP (nextn) blocks and unknown extras
+        qtype = t.tensor_type.name
+        if qtype in _FLOAT_TYPES:
+            tensors[name] = _float(t, name)
+        elif qtype in _SCHEMES:
+            base = name.removesuffix(".weight")
+            schemes[base] = _SCHEMES[qtype]
+            for leaf, v in _repack(t, qtype).items():
+                tensors[f"{base}.{leaf}"] = v
+        else:
+            raise CheckpointError(
+                f"GGUF tensor '{t.name}' has type {qtype}; supported: "
+                f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES))}"
+            )
+    return tensors, schemes
+
+
+def _float(t, name: str) -> torch.Tensor:
+    data = np.asarray(t.data)
+    if t.tensor_type.name == "BF16":
+        x = torch.from_numpy(data.copy().view(np.int16)).view(torch.bfloat16).float()
+    else:
+        x = torch.from_numpy(data.astype(np.float32))
+    x = x.reshape([int(d) for d in reversed(list(t.shape))])
+    if name.endswith("conv1d.weight"):
+        return x.reshape(x.shape[0], 1, -1).contiguous()
+    if name.endswith("A_log"):
+        return torch.log(-x.double()).float()
+    if name.endswith(_SHIFTED) or name == "model.norm.weight":
+        return x - 1.0
+    return x.contiguous()
+
+
+def _repack(t, qtype: str) -> dict[str, torch.Tensor]:
+    cols, rows = int(t.shape[0]), int(np.prod([int(d) for d in t.shape[1:]]))
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+    block = _BLOCK_BYTES[qtype]
+    if raw.shape[1] * (_SCHEMES[qtype].group_size) != cols * block:
+        raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized")
+    blocks = raw.reshape(rows, -1, block)
+    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[..., 0])
+    qs = blocks[:, :, 2:]
+    if qtype == "Q8_0":
+        return {"weight": torch.from_numpy(qs.copy().view(np.int8).reshape(rows, cols)), "scales": d}
+    if qtype == "Q1_0":
+        return {"weight": torch.from_numpy(qs.reshape(rows, cols // 8).copy()), "scales": d}
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)  # Q4_0 nibble order
+    return {"weight": pack_codes(torch.from_numpy(codes.astype(np.int64)), 4), "scales": d,
+            "biases": (d.float() * -8.0).half()}
+
+
+def _block(schemes: dict[str, Scheme]) -> dict:
+    if not schemes:
+        return {}
+    counts: dict[Scheme, int] = {}
+    for s in schemes.values():
+        counts[s] = counts.get(s, 0) + 1
+    main = max(counts, key=counts.get)
+    block = {"format": "gguf-import", "kind": main.kind, "bits": main.bits,
+             "group_size": main.group_size}
+    for name, s in schemes.items():
+        if s != main:
+            block[name] = {"kind": s.kind, "bits": s.bits, "group_size": s.group_size}
+    return block
