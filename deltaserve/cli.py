@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("gguf", help="the .gguf file")
     gg.add_argument("out", help="output folder")
     gg.add_argument("--tokenizer-from", default=None, help="folder with the model's tokenizer.json")
+    gate = sub.add_parser("gate", help="quality gate: model A against model B on natural prompts")
+    _model_args(gate, dtype_default="float32")
+    gate.add_argument("--against", default=None, help="the reference model (default: embedded)")
+    gate.add_argument("--against-dtype", default=None, help="its dtype (default: --dtype)")
+    gate.add_argument("--prompts", default=None, help="prompts JSON (default: the built-in set)")
+    gate.add_argument("--thresholds", default="quantized", help="quantized, exact, or a JSON file")
+    gate.add_argument("--out", default=None, help="write the JSON record here too")
     hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
     _model_args(hay, dtype_default="float32")
     hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
@@ -132,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             tok = Path(args.tokenizer_from) if args.tokenizer_from else None
             print(json.dumps(import_gguf(Path(args.gguf), Path(args.out), tok), indent=2))
             return 0
+        if args.command == "gate":
+            from deltaserve.bench.gate import run_gate
+
+            return run_gate(args)
         if args.command == "needle":
             from deltaserve.bench.needle_run import run_needle
 
