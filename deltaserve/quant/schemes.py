@@ -105,7 +105,7 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
     rows, cols = q.shape
     q = q.to(torch.int64).reshape(rows, cols // per, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=q.device) * bits
     words = (q << shifts).sum(-1)  # disjoint bit fields: the sum is the bitwise or
     return words.to(torch.uint32)
 
@@ -120,7 +120,7 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     rows, cols = bits.shape
     b = bits.to(torch.int32).reshape(rows, cols // 8, 8)
-    return (b << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+    return (b << torch.arange(8, dtype=torch.int32, device=b.device)).sum(-1).to(torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ def test_qgemv_matches_the_reference(name, rows, cols) -> None:
     dense = dequantize(packed, scheme)
     magnitude = torch.nn.functional.linear(x.abs(), dense.abs())
     assert ((out - ref).abs() <= 1e-6 * magnitude + 1e-7).all()
-    assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
+    if rows > 1:  # one output can cancel to near zero; many cannot all do so
+        assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
 
 
 def test_native_quantized_kernels_are_built_here() -> None:

@@ -20,20 +20,23 @@ static void group_sums(const float* x, float* xs, long K, long G) {
 
 static float row_q8(const int8_t* w, const float* s, const float* x, long K, long G) {
   float acc = 0.f;
-  for (long g = 0; g < K / G; g++) {
-    const int8_t* wg = w + g * G;
-    const float* xg = x + g * G;
-    float part = 0.f;
-    long k = 0;
 #if defined(__AVX512F__)
-    __m512 v = _mm512_setzero_ps();
-    for (; k + 16 <= G; k += 16) {
-      __m128i b = _mm_loadu_si128((const __m128i*)(wg + k));
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_loadu_ps(xg + k), v);
+  if (G % 16 == 0) {  // per-group partial sums scaled as vectors: one horizontal sum per row
+    __m512 total = _mm512_setzero_ps();
+    for (long g = 0; g < K / G; g++) {
+      __m512 v = _mm512_setzero_ps();
+      for (long k = g * G; k < (g + 1) * G; k += 16) {
+        __m128i b = _mm_loadu_si128((const __m128i*)(w + k));
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_loadu_ps(x + k), v);
+      }
+      total = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), total);
     }
-    part = _mm512_reduce_add_ps(v);
+    return _mm512_reduce_add_ps(total);
+  }
 #endif
-    for (; k < G; k++) part += (float)wg[k] * xg[k];
+  for (long g = 0; g < K / G; g++) {
+    float part = 0.f;
+    for (long k = g * G; k < (g + 1) * G; k++) part += (float)w[k] * x[k];
     acc += part * s[g];
   }
   return acc;
@@ -43,6 +46,23 @@ static float row_q8(const int8_t* w, const float* s, const float* x, long K, lon
 static float row_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
                     const float* xo, const float* xs, long K, long G) {
   float acc = 0.f;
+#if defined(__AVX512F__)
+  if (G % 32 == 0) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512i m = _mm512_set1_epi32(0xF);
+    for (long g = 0; g < K / G; g++) {
+      __m512 v = _mm512_setzero_ps();
+      for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + i)));
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), _mm512_loadu_ps(xe + i), v);
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(xo + i), v);
+      }
+      total = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), total);
+      acc += b[g] * xs[g];
+    }
+    return acc + _mm512_reduce_add_ps(total);
+  }
+#endif
   for (long g = 0; g < K / G; g++) {
     const uint8_t* wg = w + g * G / 2;
     const float* eg = xe + g * G / 2;
