@@ -54,32 +54,34 @@ def lm_name(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class TensorIndex:
-    """Where each language-model tensor lives: our name -> (file, name in that file)."""
+    """Where each language-model tensor lives: our name -> (file, name in that file), plus its
+    header entry (shape, safetensors dtype string), read in the same pass over each file."""
 
     locations: dict[str, tuple[Path, str]]
+    headers: dict[str, tuple[list[int], str]]
 
     @classmethod
     def scan(cls, model_dir: Path) -> TensorIndex:
         files = _weight_files(model_dir)
         locations: dict[str, tuple[Path, str]] = {}
+        headers: dict[str, tuple[list[int], str]] = {}
         for file in files:
-            for name in _file_keys(file):
+            for name, header in _file_headers(file).items():
                 ours = lm_name(name)
                 if ours is not None and ours not in locations:
                     locations[ours] = (file, name)
+                    headers[ours] = header
         if not locations:
             raise CheckpointError(f"no language-model tensors found in {model_dir}")
-        return cls(locations)
+        return cls(locations, headers)
 
     def meta(self, name: str) -> tuple[list[int], torch.dtype]:
         """(shape, dtype) of one tensor from the file header, without reading its data."""
-        file, key = self.locations[name]
-        with _open(file) as handle:
-            sl = handle.get_slice(key)
-            dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-            if dtype is None:
-                raise CheckpointError(f"tensor '{name}' has unsupported dtype {sl.get_dtype()}")
-            return list(sl.get_shape()), dtype
+        shape, dtype_name = self.headers[name]
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(f"tensor '{name}' has unsupported dtype {dtype_name}")
+        return list(shape), dtype
 
     def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (our name, tensor) for `names`, opening each file once."""
@@ -130,8 +132,12 @@ def _open(file: Path):
         raise CheckpointError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
 
 
-def _file_keys(file: Path) -> list[str]:
+def _file_headers(file: Path) -> dict[str, tuple[list[int], str]]:
     if file.stat().st_size < 8:
         raise CheckpointError(f"corrupt or truncated safetensors file {file}: too small")
     with _open(file) as handle:
-        return list(handle.keys())
+        out = {}
+        for key in handle.keys():
+            sl = handle.get_slice(key)
+            out[key] = (list(sl.get_shape()), sl.get_dtype())
+        return out

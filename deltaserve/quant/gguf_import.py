@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -193,10 +194,7 @@ def _repack(t, qtype: str) -> dict[str, torch.Tensor]:
 def _block(schemes: dict[str, Scheme]) -> dict:
     if not schemes:
         return {}
-    counts: dict[Scheme, int] = {}
-    for s in schemes.values():
-        counts[s] = counts.get(s, 0) + 1
-    main = max(counts, key=counts.get)
+    main = Counter(schemes.values()).most_common(1)[0][0]
     block = {"format": "gguf-import", "kind": main.kind, "bits": main.bits,
              "group_size": main.group_size}
     for name, s in schemes.items():

@@ -81,30 +81,38 @@ def needle_row(
     return row[drop:], mask[drop + 1 :]
 
 
+def _fill_row(seq_len: int, episode) -> np.ndarray:
+    """seq_len+1 tokens of back-to-back `episode()` arrays, the last one cut."""
+    parts, total = [], 0
+    while total < seq_len + 1:
+        parts.append(episode())
+        total += parts[-1].size
+    return np.concatenate(parts)[: seq_len + 1]
+
+
 def repeat_row(stream: np.ndarray, eos_id: int, seq_len: int, rng) -> np.ndarray:
     """seq_len+1 tokens of [EOS, chunk, chunk] episodes: every second copy is exactly predictable
     by looking back, the dense signal that makes in-context copying (induction) form early."""
-    parts, total = [], 0
-    while total < seq_len + 1:
+
+    def episode() -> np.ndarray:
         n = int(np.exp(rng.uniform(np.log(16), np.log(512))))
         start = int(rng.integers(0, stream.size - n))
         chunk = stream[start : start + n].astype(np.int64)
-        parts.append(np.concatenate([[eos_id], chunk, chunk]))
-        total += parts[-1].size
-    return np.concatenate(parts)[: seq_len + 1]
+        return np.concatenate([[eos_id], chunk, chunk])
+
+    return _fill_row(seq_len, episode)
 
 
 def random_repeat_row(nt: NeedleTokens, seq_len: int, rng) -> np.ndarray:
     """seq_len+1 tokens of [EOS, s, newline, s] episodes, s a random key-alphabet string: copying
     text that no n-gram statistics predict, the exact skill a needle answer needs."""
-    parts, total = [], 0
-    while total < seq_len + 1:
+
+    def episode() -> np.ndarray:
         n_chars = int(rng.integers(6, 64))
-        text = "".join(rng.choice(list(needle.KEY_CHARS), n_chars))
-        ids = nt.encode(text)
-        parts.append(np.concatenate([[nt.eos_id], ids, nt.encode("\n"), ids]))
-        total += parts[-1].size
-    return np.concatenate(parts)[: seq_len + 1]
+        ids = nt.encode("".join(rng.choice(list(needle.KEY_CHARS), n_chars)))
+        return np.concatenate([[nt.eos_id], ids, nt.encode("\n"), ids])
+
+    return _fill_row(seq_len, episode)
 
 
 def make_batch(
