@@ -107,10 +107,47 @@ static float row_q1(const uint8_t* w, const float* s, const float* x, const floa
   return acc;
 }
 
+#if defined(__AVX512F__)
+#define Q8_ROWS 4
+// Q8_ROWS rows at once share each x load; the next block's codes are prefetched (bf16 kernel's
+// recipe: one row at a time streamed ~12 GB/s on the vocabulary head here).
+static void block_q8(const int8_t* w, const float* s, const float* x, float* y, long n0, long K,
+                     long G) {
+  __m512 total[Q8_ROWS];
+  for (int r = 0; r < Q8_ROWS; r++) total[r] = _mm512_setzero_ps();
+  const int8_t* rows = w + n0 * K;
+  for (long g = 0; g < K / G; g++) {
+    __m512 v[Q8_ROWS];
+    for (int r = 0; r < Q8_ROWS; r++) v[r] = _mm512_setzero_ps();
+    for (long k = g * G; k < (g + 1) * G; k += 16) {
+      __m512 xv = _mm512_loadu_ps(x + k);
+      for (int r = 0; r < Q8_ROWS; r++) {
+        const int8_t* p = rows + r * K + k;
+        _mm_prefetch((const char*)(p + Q8_ROWS * K), _MM_HINT_T0);
+        __m128i b = _mm_loadu_si128((const __m128i*)p);
+        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), xv, v[r]);
+      }
+    }
+    for (int r = 0; r < Q8_ROWS; r++)
+      total[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(s[(n0 + r) * (K / G) + g]), total[r]);
+  }
+  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
+}
+#endif
+
 void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
                 int num_threads) {
+  long first_tail = 0;
+#if defined(__AVX512F__)
+  if (G % 16 == 0) {
+    long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long n = 0; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
+    for (long b = 0; b < num_blocks; b++) block_q8(w, s, x, y, b * Q8_ROWS, K, G);
+    first_tail = num_blocks * Q8_ROWS;
+  }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = first_tail; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
 }
 
 void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
