@@ -6,6 +6,8 @@ in-projections) into one weight: one GEMM/GEMV instead of several, fewer passes 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,16 +56,23 @@ MAX_SCRATCH_NUMEL = 64 * 1024 * 1024
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight` converted into one reused scratch buffer: no fresh allocation (and page faults) per
-    projection. Valid until the next call; the engine runs one forward at a time."""
-    if weight.numel() > MAX_SCRATCH_NUMEL:  # e.g. an all-positions vocab head: don't pin 1 GB
-        return weight.to(dtype)
-    key = (weight.device, dtype)
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A view of one reused buffer per (device, dtype): no fresh allocation (and page faults) per
+    projection. Valid until the next call; the engine runs one forward at a time. Shapes over
+    MAX_SCRATCH_NUMEL (e.g. an all-positions vocab head) get their own tensor: don't pin 1 GB."""
+    numel = math.prod(shape)
+    if numel > MAX_SCRATCH_NUMEL:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (device, dtype)
     buf = _scratch.get(key)
-    if buf is None or buf.numel() < weight.numel():
-        buf = _scratch[key] = torch.empty(weight.numel(), dtype=dtype, device=weight.device)
-    out = buf[: weight.numel()].view(weight.shape)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` converted into the scratch buffer."""
+    out = scratch(tuple(weight.shape), dtype, weight.device)
     out.copy_(weight)
     return out
 

@@ -66,6 +66,10 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int]
         fn.restype = None
+    lib.ds_dequant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
+        ctypes.c_int
+    ]
+    lib.ds_dequant.restype = None
     return lib
 
 

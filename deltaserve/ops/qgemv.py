@@ -17,6 +17,23 @@ def qgemv_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     return F.linear(x.float(), dequantize(p, scheme, torch.float32))
 
 
+_NATIVE_KINDS = {("int8", 8): 0, ("affine", 4): 1, ("q1", 1): 2}
+
+
+def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
+    """The whole packed weight into `out` [N, K] fp32 (CPU): one native pass where a kernel
+    covers the layout, else the reference dequantizer."""
+    lib = native_lib()
+    kind = _NATIVE_KINDS.get((scheme.kind, scheme.bits))
+    if lib is None or kind is None or env().reference_ops or out.device.type != "cpu":
+        return out.copy_(dequantize(p, scheme, out.dtype))
+    w, s = p["weight"].contiguous(), p["scales"].contiguous()
+    b = p["biases"].contiguous() if scheme.has_biases() else s
+    lib.ds_dequant(kind, w.data_ptr(), s.data_ptr(), b.data_ptr(), out.data_ptr(), out.shape[0],
+                   out.shape[1], scheme.group_size, torch.get_num_threads())
+    return out
+
+
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]

@@ -5,9 +5,9 @@ A module becomes quantized on the meta device before it is materialised (`quanti
 all with the checkpoint's names, so a packed q|k|v Linear still loads by row slices. Scales are
 kept in fp32 (widened exactly from the file's fp16/bf16): the kernels read one scale dtype.
 
-Prefill (>= WIDEN_MIN_ROWS rows) dequantizes the weight once per call and runs the dense GEMM (the
-dequantizer allocates its result anyway, so a copy into the shared scratch buffer would only add a
-pass); decode rows go to a native GEMV that reads the packed codes (ops/qgemv.py).
+Prefill (>= WIDEN_MIN_ROWS rows) dequantizes the weight once per call, on CPU straight into the
+shared scratch buffer with one native pass, and runs the dense GEMM; decode rows go to a native
+GEMV that reads the packed codes (ops/qgemv.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.layers.linear import WIDEN_MIN_ROWS
-from deltaserve.ops.qgemv import qgemv
+from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
+from deltaserve.ops.qgemv import dequantize_into, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
 
@@ -49,11 +49,19 @@ def packed(module: nn.Module, rows: slice | torch.Tensor | None = None) -> dict:
     return out
 
 
+def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight in `dtype`: written straight into the shared scratch buffer on CPU fp32."""
+    if dtype != torch.float32 or module.weight.device.type != "cpu":
+        return dequantize(packed(module), module.scheme, dtype)
+    out = scratch((module.weight.shape[0], module.in_cols), dtype, module.weight.device)
+    return dequantize_into(packed(module), module.scheme, out)
+
+
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
     rows = x.numel() // x.shape[-1]
     if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, dequantize(packed(module), module.scheme, x.dtype))
+        return F.linear(x, dequantized(module, x.dtype))
     flat = x.reshape(rows, x.shape[-1])
     p = packed(module)
     out = torch.cat([qgemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])

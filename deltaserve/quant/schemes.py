@@ -112,8 +112,9 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int64, device=words.device) * bits
-    q = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(per, dtype=torch.int32, device=words.device) * bits
+    # int32 view: an arithmetic shift's sign bits land above the mask, so the codes are exact
+    q = (words.view(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return q.reshape(words.shape[0], -1)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import qgemv, qgemv_ref
+from deltaserve.ops.qgemv import dequantize_into, qgemv, qgemv_ref
 from deltaserve.quant.schemes import FORMATS, Scheme, dequantize, quantize
 
 SCHEMES = {**FORMATS, "int8-g32": Scheme("int8", 8, 32), "affine8": Scheme("affine", 8, 64)}
@@ -34,3 +34,16 @@ def test_native_quantized_kernels_are_built_here() -> None:
     """CI has a compiler: the parity test above must exercise the C kernels, not the fallback."""
     lib = native_lib()
     assert lib is not None and all(hasattr(lib, f) for f in ("ds_gemv_q8", "ds_gemv_a4", "ds_gemv_q1"))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_native_dequantizer_matches_the_reference(name) -> None:
+    scheme = SCHEMES[name]
+    torch.manual_seed(7)
+    packed = {k: v.float() if v.is_floating_point() else v
+              for k, v in quantize(torch.randn(203, 896), scheme).items()}
+    ref = dequantize(packed, scheme)
+    out = dequantize_into(packed, scheme, torch.empty(203, 896))
+    # the C path may fuse q*s + b into one FMA: at most one rounding apart
+    assert torch.allclose(out, ref, rtol=2e-7, atol=1e-9)
+    assert not torch.equal(out, torch.zeros_like(out))

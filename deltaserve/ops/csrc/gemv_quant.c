@@ -150,6 +150,39 @@ void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long 
   for (long n = first_tail; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
 }
 
+#if defined(__AVX512F__)
+// as block_q8: Q8_ROWS rows share each x load; codes of the next block prefetched
+static void block_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
+                     const float* xo, const float* xs, float* y, long n0, long K, long G) {
+  const __m512i m = _mm512_set1_epi32(0xF);
+  const long bytes = K / 2, num_groups = K / G;
+  __m512 total[Q8_ROWS];
+  float bias[Q8_ROWS];
+  for (int r = 0; r < Q8_ROWS; r++) total[r] = _mm512_setzero_ps(), bias[r] = 0.f;
+  const uint8_t* rows = w + n0 * bytes;
+  for (long g = 0; g < num_groups; g++) {
+    __m512 v[Q8_ROWS];
+    for (int r = 0; r < Q8_ROWS; r++) v[r] = _mm512_setzero_ps();
+    for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
+      __m512 e = _mm512_loadu_ps(xe + i), o = _mm512_loadu_ps(xo + i);
+      for (int r = 0; r < Q8_ROWS; r++) {
+        const uint8_t* p = rows + r * bytes + i;
+        _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), e, v[r]);
+        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o, v[r]);
+      }
+    }
+    for (int r = 0; r < Q8_ROWS; r++) {
+      long idx = (n0 + r) * num_groups + g;
+      total[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(s[idx]), total[r]);
+      bias[r] += b[idx] * xs[g];
+    }
+  }
+  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = bias[r] + _mm512_reduce_add_ps(total[r]);
+}
+#endif
+
 void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
                 long K, long G, int num_threads) {
   float* xe = malloc(sizeof(float) * (K / 2 + K / G + 1) * 2);
@@ -160,8 +193,18 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
     xo[i] = x[2 * i + 1];
   }
   group_sums(x, xs, K, G);
+  long first_tail = 0;
+#if defined(__AVX512F__)
+  if (G % 32 == 0) {
+    long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long n = 0; n < N; n++)
+    for (long blk = 0; blk < num_blocks; blk++)
+      block_a4(w, s, b, xe, xo, xs, y, blk * Q8_ROWS, K, G);
+    first_tail = num_blocks * Q8_ROWS;
+  }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = first_tail; n < N; n++)
     y[n] = row_a4(w + n * (K / 2), s + n * (K / G), b + n * (K / G), xe, xo, xs, K, G);
   free(xe);
 }
@@ -173,4 +216,33 @@ void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long n = 0; n < N; n++) y[n] = row_q1(w + n * (K / 8), s + n * (K / G), x, xs, K, G);
   free(xs);
+}
+
+// Whole-matrix dequantization into a caller's fp32 buffer (prefill): one pass, rows over threads.
+// kind: 0 = q8, 1 = a4, 2 = q1; the same formulas as the GEMVs above.
+void ds_dequant(int kind, const uint8_t* w, const float* s, const float* b, float* out, long N,
+                long K, long G, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++) {
+    float* o = out + n * K;
+    const float* sn = s + n * (K / G);
+    for (long g = 0; g < K / G; g++) {  // per group: one scale, an inner loop gcc vectorizes
+      float* og = o + g * G;
+      const float sc = sn[g];
+      if (kind == 0) {
+        const int8_t* r = (const int8_t*)w + n * K + g * G;
+        for (long k = 0; k < G; k++) og[k] = (float)r[k] * sc;
+      } else if (kind == 1) {
+        const uint8_t* r = w + n * (K / 2) + g * G / 2;
+        const float bias = b[n * (K / G) + g];
+        for (long i = 0; i < G / 2; i++) {
+          og[2 * i] = (float)(r[i] & 0xF) * sc + bias;
+          og[2 * i + 1] = (float)(r[i] >> 4) * sc + bias;
+        }
+      } else {
+        const uint8_t* r = w + n * (K / 8) + g * G / 8;
+        for (long k = 0; k < G; k++) og[k] = ((r[k / 8] >> (k % 8)) & 1) ? sc : -sc;
+      }
+    }
+  }
 }
