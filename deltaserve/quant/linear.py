@@ -7,7 +7,7 @@ kept in fp32 (widened exactly from the file's fp16/bf16): the kernels read one s
 
 Prefill (>= WIDEN_MIN_ROWS rows) dequantizes the weight once per call, on CPU straight into the
 shared scratch buffer with one native pass, and runs the dense GEMM; decode rows go to a native
-GEMV that reads the packed codes (ops/qgemv.py).
+GEMV that reads the packed codes (ops/qgemv.py on CPU, ops/triton_qgemv.py on CUDA GPUs).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
+from deltaserve.ops import triton_qgemv
 from deltaserve.ops.qgemv import dequantize_into, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
@@ -42,7 +43,13 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def packed(module: nn.Module, rows: slice | torch.Tensor | None = None) -> dict:
-    sel = (lambda t: t) if rows is None else (lambda t: t[rows])
+    def sel(t: torch.Tensor) -> torch.Tensor:
+        if rows is None:
+            return t
+        if t.dtype == torch.uint32:  # CUDA has no uint32 gather; the same bits as int32 do
+            return t.view(torch.int32)[rows].view(torch.uint32)
+        return t[rows]
+
     out = {"weight": sel(module.weight), "scales": sel(module.scales)}
     if module.scheme.has_biases():
         out["biases"] = sel(module.biases)
@@ -57,15 +64,26 @@ def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_into(packed(module), module.scheme, out)
 
 
+def decode_gemv(x: torch.Tensor, scheme):
+    """The GEMV that reads packed codes for x's device, or None (then: dequantize + F.linear)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return qgemv
+    kind = (scheme.kind, scheme.bits)
+    if x.device.type == "cuda" and kind in (("int8", 8), ("affine", 4)) and triton_qgemv.available():
+        return triton_qgemv.qgemv_cuda
+    return None
+
+
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
     rows = x.numel() // x.shape[-1]
-    if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+    gemv = decode_gemv(x, module.scheme) if rows < WIDEN_MIN_ROWS else None
+    if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))
-    flat = x.reshape(rows, x.shape[-1])
+    flat = x.reshape(rows, x.shape[-1]).float()  # the GEMVs take fp32 x, give fp32 y
     p = packed(module)
-    out = torch.cat([qgemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    out = torch.cat([gemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def embed(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""Quantized checkpoints on a CUDA GPU (Triton decode GEMV, dequantized prefill) vs the CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.checkpoint.default import default_model_dir
+from deltaserve.ops import triton_qgemv
+from deltaserve.quant.convert import quantize_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not triton_qgemv.available(), reason="needs CUDA and Triton"),
+]
+PROMPT = "import os\n\n\ndef list_python_files(path):\n"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q1"])
+def test_quantized_model_on_cuda_matches_the_cpu_engine(tmp_path, fmt) -> None:
+    quantize_checkpoint(default_model_dir(), fmt, tmp_path / fmt)
+    engines = {d: LLM(tmp_path / fmt, dtype="float32", device=d) for d in ("cpu", "cuda")}
+    ids = engines["cpu"].tokenizer.encode(PROMPT)
+    logits = {d: e.model(torch.tensor([ids], device=d), e.model.new_state(), all_logits=True).cpu()
+              for d, e in engines.items()}
+    assert ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item() <= 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {d: e.generate(PROMPT, params)[0].outputs[0].token_ids for d, e in engines.items()}
+    assert tokens["cuda"] == tokens["cpu"]
