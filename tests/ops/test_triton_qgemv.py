@@ -15,11 +15,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not triton_qgemv.available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize(("rows", "cols"), [(37, 384), (6144, 1024), (1024, 3584)])
-def test_triton_qgemv_matches_the_reference(fmt, rows, cols) -> None:
+@pytest.mark.parametrize("config", [None, (1, 1024, 1, 1, 0), (8, 256, 4, 2, 1), (32, 128, 8, 3, 1)])
+def test_triton_qgemv_matches_the_reference(fmt, rows, cols, config) -> None:
     torch.manual_seed(rows)
     scheme = FORMATS[fmt]
     packed = {k: (v.float() if v.is_floating_point() else v).cuda()
               for k, v in quantize(torch.randn(rows, cols), scheme).items()}
     x = torch.randn(1, cols, device="cuda")
-    out, ref = triton_qgemv.qgemv_cuda(x, packed, scheme), qgemv_ref(x, packed, scheme)
+    out, ref = triton_qgemv.qgemv_cuda(x, packed, scheme, config), qgemv_ref(x, packed, scheme)
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
