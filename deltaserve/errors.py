@@ -17,3 +17,7 @@ class ConfigError(DeltaserveError):
 
 class RequestError(DeltaserveError):
     """A generation request is invalid (prompt over the context, bad sampling parameters)."""
+
+
+class CapacityError(RequestError):
+    """The engine cannot take this request now or ever (queue full, prompt larger than the KV pool)."""

@@ -29,6 +29,8 @@ def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
         str(args.decode_tokens),
         "--repeats",
         str(args.repeats),
+        "--batch",
+        args.batch or "",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -71,6 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "decode_tokens": args.decode_tokens,
             "decode_prompt_len": 16,
             "repeats": args.repeats,
+            "batch": args.batch or None,
             "eos": "ignored",
         },
         "engines": engines,

@@ -29,14 +29,13 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype)
+    llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0)  # repeats must not hit a cache
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for n in lens:
         ids = torch.randint(0, 248044, (n,), generator=gen).tolist()
-        out[f"prefill_{n}_tok_s"] = n / _median_s(
-            lambda ids=ids: llm._prefill(ids, llm.model.new_state(1)), repeats
-        )
+        out[f"prefill_{n}_tok_s"] = n / _median_s(lambda ids=ids: llm.generate([ids], one), repeats)
     prompt = torch.randint(0, 248044, (16,), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     rates = [
@@ -44,6 +43,53 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
         for _ in range(max(1, repeats - 1))
     ]
     out["decode_tok_s"] = statistics.median(rates)
+    return out
+
+
+def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int) -> dict:
+    """Aggregate decode tok/s with B sequences decoding together (16-token random prompts, EOS
+    ignored): timed from the step after every sequence has its first token to the last token."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling import SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(2048, 16 * max(batches)))
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for b in batches:
+        engine = llm.engine
+        for i in range(b):
+            ids = torch.randint(0, llm.config.vocab_size, (16,), generator=gen).tolist()
+            engine.add_request(f"b{b}-{i}", ids, params)
+        engine.step()  # all prompts in one step (the budget covers them): every first token
+        t0, produced = time.perf_counter(), 0
+        while engine.has_work:
+            produced += len(engine.step())
+        dt = time.perf_counter() - t0
+        out[f"batch_{b}_decode_tok_s"] = produced / dt
+        out[f"batch_{b}_per_seq_tok_s"] = produced / dt / b
+    return out
+
+
+def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int) -> dict:
+    from deltaserve.validate.reference import load_reference
+
+    model = load_reference(model_dir, DTYPES[dtype])
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.randint(0, model.config.vocab_size, (b, 16), generator=gen)
+            res = model(ids, use_cache=True, logits_to_keep=1)
+            past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens - 1):
+                res = model(token, past_key_values=past, use_cache=True)
+                past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            dt = time.perf_counter() - t0
+            out[f"batch_{b}_decode_tok_s"] = b * (decode_tokens - 1) / dt
+            out[f"batch_{b}_per_seq_tok_s"] = (decode_tokens - 1) / dt
     return out
 
 
@@ -89,10 +135,16 @@ def main() -> None:
     p.add_argument("--lens", default="512,2048")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", default="", help="batch sizes: aggregate decode instead")
     a = p.parse_args()
     lens = [int(x) for x in a.lens.split(",") if x]
-    fn = _ours if a.engine == "ours" else _transformers
-    result = fn(Path(a.model_dir), a.dtype, lens, a.decode_tokens, a.repeats)
+    if a.batch:
+        batches = [int(x) for x in a.batch.split(",") if x]
+        fn = _ours_batch if a.engine == "ours" else _transformers_batch
+        result = fn(Path(a.model_dir), a.dtype, batches, a.decode_tokens)
+    else:
+        fn = _ours if a.engine == "ours" else _transformers
+        result = fn(Path(a.model_dir), a.dtype, lens, a.decode_tokens, a.repeats)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     json.dump(result, sys.stdout)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,14 +13,13 @@ import torch
 from deltaserve.checkpoint.hub import resolve_model_dir
 from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.reader import read_json
+from deltaserve.engine.engine import Engine, EngineConfig
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput, StreamEvent
-from deltaserve.engine.sampling import SamplingParams, make_generator, sample
-from deltaserve.engine.stopping import StopChecker
+from deltaserve.engine.sampling import SamplingParams
+from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
 from deltaserve.errors import RequestError
-from deltaserve.tokenizer import StreamDecoder, Tokenizer
-
-PREFILL_CHUNK_LEN = 2048  # bounds prefill activations; the state carries across chunks exactly
+from deltaserve.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -32,6 +32,10 @@ class LLM:
         device: str = "cpu",
         max_model_len: int | None = None,
         revision: str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        prefix_cache_bytes: int = 1 << 30,
+        kv_cache_bytes: int = 4 << 30,
     ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
@@ -55,6 +59,16 @@ class LLM:
             )
         self.max_model_len = max_model_len or limit
         self.generation_config = self._generation_config()
+        self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes)
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The batched engine (pools allocated on first use, kept: the prefix cache persists)."""
+        if self._engine is None:
+            self._engine = build_engine(self, **self.engine_args)
+        return self._engine
 
     def _generation_config(self) -> dict[str, Any]:
         path = self.model_dir / "generation_config.json"
@@ -110,23 +124,33 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """One output per prompt. Prompts run one after another (batching arrives with the scheduler)."""
+        """One output per prompt, all prompts batched together by the engine (continuous batching)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
         encoded = [self.encode_prompt(p) for p in prompts]  # validate all before running any
-        results = []
-        for i, (text, ids) in enumerate(encoded):
-            out = CompletionOutput(0, "", [])
-            metrics: dict[str, float] = {}
-            for event in self._run(ids, params, metrics):
-                out.text += event.text
-                out.token_ids.extend(event.token_ids)
-                out.finish_reason, out.stop_reason = event.finish_reason, event.stop_reason
-            results.append(RequestOutput(str(i), text, ids, [out], True, metrics))
-        return results
+        rids = [f"gen-{next(_ids)}" for _ in encoded]
+        outs = {rid: CompletionOutput(0, "", []) for rid in rids}
+        metrics: dict[str, dict[str, float]] = {}
+        try:
+            for rid, (_, ids) in zip(rids, encoded, strict=True):
+                self.engine.add_request(rid, ids, params)
+                metrics[rid] = {"t_start": time.perf_counter(), "num_prompt_tokens": len(ids)}
+            done = 0
+            while done < len(rids):
+                for ev in self._step_timed(metrics):
+                    out = outs[ev.request_id]
+                    out.text += ev.text
+                    out.token_ids.extend(ev.token_ids)
+                    out.finish_reason, out.stop_reason = ev.finish_reason, ev.stop_reason
+                    done += ev.finished
+        finally:
+            for rid in rids:  # an exception (or Ctrl-C) must not leave requests holding slots
+                self.engine.abort(rid)
+        return [RequestOutput(str(i), text, ids, [outs[rid]], True, metrics[rid])
+                for i, (rid, (text, ids)) in enumerate(zip(rids, encoded, strict=True))]
 
     def stream(
         self,
@@ -136,11 +160,38 @@ class LLM:
     ) -> Iterator[StreamEvent]:
         """Yield text as it becomes decodable (never a split UTF-8 character); the last event is finished."""
         _, ids = self.encode_prompt(prompt)
-        yield from self._run(
-            ids,
-            sampling_params or self.get_default_sampling_params(),
-            metrics if metrics is not None else {},
-        )
+        rid = f"stream-{next(_ids)}"
+        m = metrics if metrics is not None else {}
+        self.engine.add_request(rid, ids, sampling_params or self.get_default_sampling_params())
+        m.update(t_start=time.perf_counter(), num_prompt_tokens=len(ids))
+        all_metrics = {rid: m}
+        try:
+            while True:
+                for ev in self._step_timed(all_metrics):
+                    yield StreamEvent(ev.text, ev.token_ids, ev.finished, ev.finish_reason,
+                                      ev.stop_reason)
+                    if ev.finished:
+                        return
+        finally:
+            self.engine.abort(rid)
+
+    def _step_timed(self, metrics: dict[str, dict[str, float]]):
+        """One engine step; fills per-request prefill/decode timings (metrics[rid] must hold
+        t_start and num_prompt_tokens, set when the request was added)."""
+        events = self.engine.step()
+        now = time.perf_counter()
+        for ev in events:
+            m = metrics.get(ev.request_id)
+            if m is None:
+                continue
+            if "t_first" not in m:
+                m["t_first"] = now
+                m["prefill_s"] = now - m["t_start"]
+            m["num_generated_tokens"] = m.get("num_generated_tokens", 0) + len(ev.token_ids)
+            m["decode_s"] = now - m["t_first"]
+            if ev.finished:
+                _finish_metrics(m)
+        return events
 
     def chat(
         self,
@@ -151,53 +202,32 @@ class LLM:
         prompt = self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
         return self.generate(prompt, sampling_params)[0]
 
-    def _prefill(self, ids: list[int], state) -> torch.Tensor:
-        logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK_LEN):
-            chunk = torch.tensor([ids[start : start + PREFILL_CHUNK_LEN]], device=self.device)
-            logits = self.model(chunk, state)
-        return logits[0]
 
-    def _run(
-        self, ids: list[int], params: SamplingParams, metrics: dict[str, float]
-    ) -> Iterator[StreamEvent]:
-        gen = make_generator(params, self.device)
-        state = self.model.new_state(1)
-        t0 = time.perf_counter()
-        logits = self._prefill(ids, state)
-        t1 = time.perf_counter()
-        budget = self.max_model_len - len(ids)
-        max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        stops = StopChecker(params, self.eos_token_ids)
-        detok = StreamDecoder(self.tokenizer, params.skip_special_tokens)
-        num_new = 0
-        while True:
-            token = sample(logits, params, gen)
-            num_new += 1
-            ended = stops.token_stop(token)
-            text, stop_str = ("", None) if ended else stops.add_text(detok.push(token))
-            if stop_str is not None:
-                ended = ("stop", stop_str)
-            elif ended is None and num_new >= max_new:
-                ended = ("length", None)
-            if ended:
-                text += _drain(stops, detok) if stop_str is None else ""
-                break
-            yield StreamEvent(text, (token,))
-            logits = self.model(torch.tensor([[token]], device=self.device), state)[0]
-        t2 = time.perf_counter()
-        metrics.update(
-            num_prompt_tokens=len(ids),
-            num_generated_tokens=num_new,
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            prefill_tok_s=len(ids) / max(t1 - t0, 1e-9),
-            decode_tok_s=(num_new - 1) / (t2 - t1) if num_new > 1 and t2 > t1 else 0.0,
-        )
-        yield StreamEvent(text, (token,), True, ended[0], ended[1])
+_ids = itertools.count()
 
 
-def _drain(stops: StopChecker, detok: StreamDecoder) -> str:
-    """At the end: text held back by the detokenizer or by a partial stop-string match."""
-    text, stop_str = stops.add_text(detok.flush())
-    return text if stop_str is not None else text + stops.finish()
+def _finish_metrics(m: dict[str, float]) -> None:
+    n, new = m.get("num_prompt_tokens", 0), m.get("num_generated_tokens", 0)
+    m["prefill_tok_s"] = n / max(m["prefill_s"], 1e-9)
+    m["decode_tok_s"] = (new - 1) / m["decode_s"] if new > 1 and m["decode_s"] > 0 else 0.0
+    for k in ("t_start", "t_first"):
+        m.pop(k, None)
+
+
+def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_cache_bytes: int, kv_cache_bytes: int) -> Engine:
+    """Pools sized for the model: every slot can reach max_model_len until the KV budget binds
+    (then at least one sequence of max_model_len fits). Memory is touched only when used."""
+    from deltaserve.cache.manager import CacheConfig, pool_bytes
+    from deltaserve.checkpoint.fingerprint import model_fingerprint
+
+    block_len = 64
+    per_seq = -(-llm.max_model_len // block_len)
+    probe = pool_bytes(llm.model, CacheConfig(0, 1, block_len, 64, 0))
+    num_blocks = max(per_seq, min(per_seq * max_num_seqs, kv_cache_bytes // max(probe, 1)))
+    cache = CacheConfig(max_num_seqs, num_blocks, block_len, 64, prefix_cache_bytes)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_prefill_chunk=max_num_batched_tokens)
+    fingerprint = model_fingerprint(llm.model_dir, str(llm.model.act_dtype))
+    return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
+                  EngineConfig(sched, cache), fingerprint)

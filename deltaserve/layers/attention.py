@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.cache.batch import StepBatch
 from deltaserve.cache.state import KVCache
 from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
@@ -45,5 +47,39 @@ class GatedAttention(nn.Module):
         out = causal_attention(q, k_all, v_all, self.head_dim**-0.5)  # [B,HQ,T,D]
         out = out.transpose(1, 2).reshape(bsz, seq_len, -1) * torch.sigmoid(
             gate.reshape(bsz, seq_len, -1)
+        )
+        return self.o_proj(out)
+
+    def forward_batch(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: StepBatch,
+        layer: int,
+    ) -> torch.Tensor:
+        """x [1,T,N] holding every chunk of the step; K/V go to and come from batch.kv's blocks."""
+        num_tokens = x.shape[1]
+        qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qg = qg.reshape(1, num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        q = self.q_norm(q).transpose(1, 2)  # [1,HQ,T,D]
+        k = self.k_norm(k.reshape(1, num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(1, num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
+        batch.kv.write(layer, batch.kv_blocks, batch.kv_rows, k[0].transpose(0, 1), v[0])
+        out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
+        scale = self.head_dim**-0.5
+        if batch.decode:  # one SDPA over all decoding sequences, padded keys masked out
+            rows = [batch.offsets[i] for i in batch.decode]
+            k_all, v_all = batch.kv.gather_batch(layer, batch.decode_tables)
+            q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
+            o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask,
+                                               scale=scale, enable_gqa=True)
+            out[0, :, rows] = o[:, :, 0].transpose(0, 1)
+        for i in batch.prefill:
+            chunk, span = batch.chunks[i], batch.span(i)
+            table = torch.tensor(chunk.block_table, device=x.device)
+            k_all, v_all = batch.kv.gather(layer, table, chunk.end_pos)
+            out[:, :, span] = causal_attention(q[:, :, span], k_all, v_all, scale)
+        out = out.transpose(1, 2).reshape(1, num_tokens, -1) * torch.sigmoid(
+            gate.reshape(1, num_tokens, -1)
         )
         return self.o_proj(out)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.cache.batch import StepBatch
 from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
 from deltaserve.ops.gdn import gdn_chunked, gdn_gates
-from deltaserve.ops.gdn_decode import gdn_decode
+from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_slots
 
 
 class GatedDeltaNet(nn.Module):
@@ -59,6 +60,13 @@ class GatedDeltaNet(nn.Module):
                 self.num_k_heads,
             )
             return self.out_proj(o.to(x.dtype).unsqueeze(1)), conv_window
+        o, conv_window = self._scan(qkv, z, b, a, conv_window, recurrent, x.dtype)
+        return self.out_proj(o), conv_window
+
+    def _scan(self, qkv, z, b, a, conv_window, recurrent, dtype, on_boundary=None):
+        """Prefill mixer: conv, chunked delta rule (state `recurrent` [B,HV,K,V] updated in place),
+        gated norm. Returns (o [B,T,HV*V] in dtype, new conv window)."""
+        bsz, seq_len, _ = qkv.shape
         qkv, conv_window = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv_window)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
@@ -68,8 +76,41 @@ class GatedDeltaNet(nn.Module):
             repeat = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
-        o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True)
+        o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True, on_boundary=on_boundary)
         recurrent.copy_(final)
         z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
-        o = self.norm(o, z, x.dtype).reshape(bsz, seq_len, self.value_dim)
-        return self.out_proj(o), conv_window
+        o = self.norm(o, z, dtype).reshape(bsz, seq_len, self.value_dim)
+        return o, conv_window
+
+    def forward_batch(self, x: torch.Tensor, batch: StepBatch, layer: int) -> torch.Tensor:
+        """x [1,T,N] holding every chunk of the step; states live in batch.states' slots."""
+        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        conv_pool, state_pool = batch.states.conv[layer], batch.states.recurrent[layer]
+        out = x.new_empty(x.shape[1], self.value_dim)
+        if batch.decode:
+            rows = [batch.offsets[i] for i in batch.decode]
+            o = gdn_decode_slots(qkv[0, rows], z[0, rows], b[0, rows], a[0, rows], conv_pool,
+                                 self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state_pool,
+                                 batch.decode_slots, self.norm.weight, self.norm.eps,
+                                 self.num_k_heads)
+            out[rows] = o.to(out.dtype)
+        for i in batch.prefill:
+            chunk, span = batch.chunks[i], batch.span(i)
+            window = conv_pool[chunk.slot : chunk.slot + 1]
+            state = state_pool[chunk.slot : chunk.slot + 1]
+            full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv[:, span]], dim=1)
+            snaps = batch.snapshots.setdefault(i, {})
+            width = window.shape[-1]
+
+            def keep(done: int, s: torch.Tensor, chunk=chunk, full=full, snaps=snaps,
+                     width=width) -> None:
+                pos = chunk.start_pos + done
+                if pos in chunk.snapshot_at:  # the window then = the W-1 inputs before pos
+                    win = full[0, done : done + width].t().contiguous()
+                    snaps.setdefault(pos, {})[layer] = (win, s[0])
+
+            o, new_window = self._scan(qkv[:, span], z[:, span], b[:, span], a[:, span], window,
+                                       state, x.dtype, keep)
+            conv_pool[chunk.slot].copy_(new_window[0])
+            out[span] = o[0]
+        return self.out_proj(out.unsqueeze(0))

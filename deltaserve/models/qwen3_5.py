@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.cache.batch import StepBatch
 from deltaserve.cache.state import SequenceState
 from deltaserve.config import FULL, TextConfig
 from deltaserve.layers.attention import GatedAttention
@@ -34,6 +35,15 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos_sin, state.kv[idx])
         else:
             h, state.conv[idx] = self.linear_attn(h, state.conv[idx], state.recurrent[idx])
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_batch(self, x: torch.Tensor, idx: int, batch: StepBatch, cos_sin) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_full:
+            h = self.self_attn.forward_batch(h, cos_sin, batch, idx)
+        else:
+            h = self.linear_attn.forward_batch(h, batch, idx)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -100,5 +110,20 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, state)
         if not all_logits:
             h = h[:, -1]
+        head = self.head
+        return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, input_ids: torch.Tensor, batch: StepBatch, all_logits: bool = False
+    ) -> torch.Tensor:
+        """input_ids [T]: the step's chunks back to back (batch says whose). Logits fp32 of each
+        chunk's last token [num_chunks, vocab], or of every token [T, vocab] if all_logits."""
+        x = embed(self.model.embed_tokens, input_ids[None]).to(self.act_dtype)
+        cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
+        for idx, layer in enumerate(self.model.layers):
+            x = layer.forward_batch(x, idx, batch, cos_sin)
+        h = x[0] if all_logits else x[0, batch.last_rows()]
+        h = self.model.norm(h)
         head = self.head
         return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()

@@ -92,8 +92,12 @@ def gdn_chunked(
     state: torch.Tensor | None = None,
     chunk_len: int = 64,
     qk_l2norm: bool = False,
+    on_boundary=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY / UT-transform) form of gdn_recurrent_ref; same arguments and results.
+
+    on_boundary(num_tokens_done, state [B,HV,K,V] fp32) is called after each full chunk: the state
+    the scan carries there anyway, a fresh tensor (prefix snapshots keep it without a copy).
 
     Inside a chunk the delta-rule updates collapse into a unit-lower-triangular solve and a few GEMMs;
     across chunks a short sequential scan carries the state. Any T (the tail chunk is zero-padded:
@@ -136,5 +140,7 @@ def gdn_chunked(
         v_new = u[:, :, c] - w[:, :, c] @ s
         out[:, :, c] = q_decayed[:, :, c] @ s + attn[:, :, c] @ v_new
         s = s * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+        if on_boundary is not None and (c + 1) * chunk_len <= seq_len:
+            on_boundary((c + 1) * chunk_len, s)
     out = out.reshape(bsz, num_heads, -1, v_dim)[:, :, :seq_len].transpose(1, 2)
     return out, s

@@ -3,6 +3,8 @@ gated RMSNorm. The reference composes the prefill ops; the native kernel does it
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from deltaserve.env import env
@@ -63,3 +65,44 @@ def gdn_decode(
         torch.get_num_threads(),
     )
     return out, window
+
+
+def gdn_decode_slots_ref(
+    qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
+    eps: float, num_k_heads: int,
+) -> torch.Tensor:
+    """gdn_decode_ref on rows `slots` [B] of the pools conv_pool [S,C,W-1] and state_pool
+    [S,HV,K,V] (both updated in place). Returns out [B,HV*V] fp32."""
+    state = state_pool[slots]
+    out, window = gdn_decode_ref(qkv, z, b, a, conv_pool[slots], conv_w, a_log, dt_bias, state,
+                                 norm_w, eps, num_k_heads)
+    state_pool[slots] = state
+    conv_pool[slots] = window.to(conv_pool.dtype)
+    return out
+
+
+def gdn_decode_slots(
+    qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
+    eps: float, num_k_heads: int,
+) -> torch.Tensor:
+    """Same contract as gdn_decode_slots_ref; the native kernel updates the pool rows in place."""
+    lib = native_lib()
+    fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, conv_pool, conv_w, state_pool))
+    if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:
+        return gdn_decode_slots_ref(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool,
+                                    slots, norm_w, eps, num_k_heads)
+    fn = lib.ds_gdn_decode_slots
+    if fn.argtypes is None:  # registered here: the signature lives beside its one caller
+        fn.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+    _, num_heads, k_dim, v_dim = state_pool.shape
+    slots = slots.to(torch.int64).contiguous()
+    tensors = [t.contiguous() for t in (qkv, z, b, a)]
+    params = [t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)]
+    out = torch.empty(qkv.shape[0], num_heads * v_dim)
+    ptrs = [t.data_ptr() for t in (*tensors, conv_pool)] + [params[0].data_ptr(),
+            params[1].data_ptr(), params[2].data_ptr(), state_pool.data_ptr(),
+            params[3].data_ptr(), out.data_ptr(), slots.data_ptr()]
+    fn(*ptrs, qkv.shape[0], num_k_heads, num_heads, k_dim, v_dim, conv_w.shape[1], eps,
+       torch.get_num_threads())
+    return out

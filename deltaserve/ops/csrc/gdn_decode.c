@@ -55,15 +55,20 @@ static void head_step(const float* q, const float* k, const float* v, float b, f
   for (long j = 0; j < V; j++) out[j] = o[j] * r * norm_w[j] * silu(z[j]);
 }
 
-void ds_gdn_decode(const float* qkv, const float* z, const float* b, const float* a, float* window,
-                   const float* conv_w, const float* a_log, const float* dt_bias, float* state,
-                   const float* norm_w, float* out, long B, long H, long HV, long K, long V, long W,
-                   float eps, int num_threads) {
+// slots: row s of the batch uses window/state row slots[s] of a pool (NULL: row s); a decode batch
+// then updates its sequences' pool slots in place, without a gather and a scatter of the states.
+static void gdn_decode(const float* qkv, const float* z, const float* b, const float* a,
+                       float* window, const float* conv_w, const float* a_log,
+                       const float* dt_bias, float* state, const float* norm_w, float* out,
+                       const long* slots, long B, long H, long HV, long K, long V, long W, float eps,
+                       int num_threads) {
   long C = 2 * H * K + HV * V, group = HV / H;
   DS_FTZ();
   float* conv_out = (float*)malloc(sizeof(float) * C * B);
-  for (long s = 0; s < B; s++)
-    conv_step(qkv + s * C, window + s * C * (W - 1), conv_w, conv_out + s * C, C, W);
+  for (long s = 0; s < B; s++) {
+    long row = slots ? slots[s] : s;
+    conv_step(qkv + s * C, window + row * C * (W - 1), conv_w, conv_out + s * C, C, W);
+  }
 #pragma omp parallel num_threads(num_threads)
   {
   DS_FTZ();
@@ -71,12 +76,29 @@ void ds_gdn_decode(const float* qkv, const float* z, const float* b, const float
   for (long s = 0; s < B; s++) {
     for (long h = 0; h < HV; h++) {
       const float* co = conv_out + s * C;
-      long kh = h / group;
+      long kh = h / group, row = slots ? slots[s] : s;
       head_step(co + kh * K, co + H * K + kh * K, co + 2 * H * K + h * V, b[s * HV + h],
-                a[s * HV + h], a_log[h], dt_bias[h], state + (s * HV + h) * K * V, z + s * HV * V + h * V,
-                norm_w, out + s * HV * V + h * V, K, V, eps);
+                a[s * HV + h], a_log[h], dt_bias[h], state + (row * HV + h) * K * V,
+                z + s * HV * V + h * V, norm_w, out + s * HV * V + h * V, K, V, eps);
     }
   }
   }
   free(conv_out);
+}
+
+void ds_gdn_decode(const float* qkv, const float* z, const float* b, const float* a, float* window,
+                   const float* conv_w, const float* a_log, const float* dt_bias, float* state,
+                   const float* norm_w, float* out, long B, long H, long HV, long K, long V, long W,
+                   float eps, int num_threads) {
+  gdn_decode(qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, out, NULL, B, H, HV, K,
+             V, W, eps, num_threads);
+}
+
+void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const float* a,
+                         float* window, const float* conv_w, const float* a_log,
+                         const float* dt_bias, float* state, const float* norm_w, float* out,
+                         const long* slots, long B, long H, long HV, long K, long V, long W,
+                         float eps, int num_threads) {
+  gdn_decode(qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, out, slots, B, H, HV, K,
+             V, W, eps, num_threads);
 }

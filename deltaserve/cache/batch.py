@@ -1,0 +1,87 @@
+"""One forward step over many sequences: which tokens belong to whom, where their state and KV
+live, and where prefix snapshots are wanted. Built by the model runner, read by every layer.
+
+The step's tokens are one flat run [T] (chunk after chunk), so every projection and MLP is a
+single GEMM over all sequences; only the token mixers (GDN scan, attention) look at chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.cache.pools import KVPool, StatePool
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    slot: int  # state-pool slot of the sequence
+    start_pos: int  # absolute position of the chunk's first token
+    num_tokens: int
+    block_table: tuple[int, ...]  # KV blocks covering positions [0, start_pos + num_tokens)
+    snapshot_at: tuple[int, ...] = ()  # positions in (start_pos, end] whose GDN state is wanted
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(slots=True)
+class StepBatch:
+    chunks: list[SeqChunk]
+    states: StatePool
+    kv: KVPool
+    offsets: list[int] = field(default_factory=list)  # flat index of each chunk's first token
+    decode: list[int] = field(default_factory=list)  # chunks of one token: batched mixers
+    prefill: list[int] = field(default_factory=list)  # longer chunks: one mixer call each
+    positions: torch.Tensor | None = None  # [T] absolute positions
+    kv_blocks: torch.Tensor | None = None  # [T] block and row of each token's K/V
+    kv_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None  # [BD]
+    decode_tables: torch.Tensor | None = None  # [BD,NBmax] (padded)
+    decode_mask: torch.Tensor | None = None  # [BD,1,1,NBmax*L] True = attend
+    # filled by the GDN layers: snapshots[chunk][position][layer] = (conv window, state)
+    snapshots: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(
+        default_factory=dict
+    )
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], states: StatePool, kv: KVPool, device) -> StepBatch:
+        batch = cls(chunks, states, kv)
+        block_len, flat = kv.block_len, 0
+        positions, blocks, rows = [], [], []
+        for i, c in enumerate(chunks):
+            if c.num_tokens < 1 or len(c.block_table) * block_len < c.end_pos:
+                raise ValueError(f"chunk {i} has no tokens or too few KV blocks: {c}")
+            batch.offsets.append(flat)
+            flat += c.num_tokens
+            (batch.decode if c.num_tokens == 1 else batch.prefill).append(i)
+            pos = range(c.start_pos, c.end_pos)
+            positions.extend(pos)
+            blocks.extend(c.block_table[p // block_len] for p in pos)
+            rows.extend(p % block_len for p in pos)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        batch.positions, batch.kv_blocks, batch.kv_rows = map(as_long, (positions, blocks, rows))
+        if batch.decode:
+            dec = [chunks[i] for i in batch.decode]
+            width = max(len(c.block_table) for c in dec)
+            batch.decode_slots = as_long([c.slot for c in dec])
+            batch.decode_tables = as_long(
+                [list(c.block_table) + [c.block_table[0]] * (width - len(c.block_table)) for c in dec]
+            )
+            lengths = as_long([c.end_pos for c in dec])
+            keys = torch.arange(width * block_len, device=device)
+            batch.decode_mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+        return batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def span(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i] + self.chunks[i].num_tokens)
+
+    def last_rows(self) -> list[int]:
+        """Flat index of each chunk's last token (where its next-token logits come from)."""
+        return [self.offsets[i] + c.num_tokens - 1 for i, c in enumerate(self.chunks)]

@@ -1,0 +1,133 @@
+"""The cache manager: owns the state pool, the paged KV pool and the prefix cache, and gives each
+request a slot and the KV blocks it needs (the engine scheduler's CacheManager protocol).
+
+KV blocks held only by prefix snapshots are reclaimable: when a running request needs blocks and
+the pool is short, least recently used snapshots are evicted first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
+from deltaserve.cache.prefix import PrefixCache
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    num_slots: int = 8
+    num_blocks: int = 512
+    block_len: int = 64
+    prefix_granularity: int = 64  # snapshot grid; a multiple of block_len and of the GDN scan chunk
+    prefix_budget_bytes: int = 1 << 30  # 0 disables the prefix cache
+
+    def __post_init__(self) -> None:
+        if self.prefix_granularity % 64 or self.prefix_granularity % self.block_len:
+            raise ValueError(
+                f"prefix_granularity must be a multiple of 64 (the GDN scan chunk) and of "
+                f"block_len={self.block_len}, got {self.prefix_granularity}"
+            )
+
+
+@dataclass(slots=True)
+class _Alloc:
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+
+
+class CacheManager:
+    def __init__(self, model, config: CacheConfig, fingerprint: str) -> None:
+        self.config = config
+        sizes = PoolSizes(config.num_slots, config.num_blocks, config.block_len)
+        self.states = StatePool(model.cfg, config.num_slots, model.act_dtype, model.device)
+        self.kv = KVPool(model.cfg, sizes, model.act_dtype, model.device)
+        self.prefix = (PrefixCache(self.kv, config.prefix_granularity, config.prefix_budget_bytes,
+                                   fingerprint) if config.prefix_budget_bytes > 0 else None)
+        self._allocs: dict[str, _Alloc] = {}
+
+    # -- the scheduler's protocol -------------------------------------------------------------
+    def capacity_tokens(self) -> int:
+        return self.config.num_blocks * self.config.block_len
+
+    def num_free_slots(self) -> int:
+        return self.states.num_free
+
+    def admit(self, request_id: str, token_ids: list[int]) -> int | None:
+        if request_id in self._allocs:
+            raise RuntimeError(f"request {request_id} already holds a slot")
+        slot = self.states.allocate()
+        if slot is None:
+            return None
+        alloc = _Alloc(slot)
+        snap = self.prefix.lookup(token_ids, len(token_ids) - 1) if self.prefix else None
+        if snap is not None:  # the slot's state and the first blocks come from the snapshot
+            self.states.restore(slot, snap.states)
+            self.kv.incref(snap.blocks)
+            alloc.blocks = list(snap.blocks)
+        self._allocs[request_id] = alloc
+        return 0 if snap is None else snap.length
+
+    def slot_of(self, request_id: str) -> int:
+        return self._allocs[request_id].slot
+
+    def reserve(self, request_id: str, num_positions: int) -> bool:
+        alloc = self._allocs[request_id]
+        need = -(-num_positions // self.config.block_len) - len(alloc.blocks)
+        if need <= 0:
+            return True
+        while self.kv.num_free < need and self.prefix is not None and self.prefix.evict_one():
+            pass
+        blocks = self.kv.allocate(need)
+        if blocks is None:
+            return False
+        alloc.blocks.extend(blocks)
+        return True
+
+    def release(self, request_id: str) -> None:
+        alloc = self._allocs.pop(request_id)
+        self.kv.decref(alloc.blocks)
+        self.states.free(alloc.slot)
+
+    # -- for the model runner -----------------------------------------------------------------
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._allocs[request_id].blocks)
+
+    def snapshot_positions(self, token_ids: list[int], start: int, end: int) -> tuple[int, ...]:
+        return self.prefix.wanted(token_ids, start, end) if self.prefix else ()
+
+    def store_snapshots(self, request_id: str, token_ids: list[int], snaps: dict) -> None:
+        """snaps[position][layer] = (conv window, state) as the GDN layers captured them."""
+        if self.prefix is None:
+            return
+        num_layers = len(self.states.conv)
+        for pos, layers in sorted(snaps.items()):
+            states = [layers.get(i) for i in range(num_layers)]
+            if all((s is None) == (self.states.conv[i] is None) for i, s in enumerate(states)):
+                self.prefix.insert(token_ids, pos, states, self._allocs[request_id].blocks)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._allocs
+
+    def usage(self) -> dict[str, int]:
+        """Memory accounting: what the pools hold, in slots, blocks and bytes."""
+        held_by_requests = {b for a in self._allocs.values() for b in a.blocks}
+        return {
+            "slots_total": self.config.num_slots,
+            "slots_used": self.config.num_slots - self.states.num_free,
+            "blocks_total": self.config.num_blocks,
+            "blocks_free": self.kv.num_free,
+            "blocks_held_by_requests": len(held_by_requests),
+            "state_bytes_per_slot": self.states.bytes_per_slot(),
+            "kv_bytes_per_block": self.kv.bytes_per_block(),
+            "prefix_bytes": self.prefix.nbytes if self.prefix else 0,
+            "prefix_entries": len(self.prefix.entries) if self.prefix else 0,
+        }
+
+
+def pool_bytes(model, config: CacheConfig) -> int:
+    """Bytes the pools of `config` allocate for `model` (before building them)."""
+    probe = CacheConfig(1, 1, config.block_len, config.prefix_granularity, 0)
+    m = CacheManager(model, probe, "")
+    return (config.num_slots * m.states.bytes_per_slot()
+            + config.num_blocks * m.kv.bytes_per_block())
+

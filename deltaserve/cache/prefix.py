@@ -1,0 +1,111 @@
+"""Exact prefix-state cache: snapshots of every GDN layer's state (conv window + recurrent matrix)
+and of the KV blocks before position P, for P on a fixed grid (every `granularity` tokens) of the
+prompts that ran. A request resumes from its longest snapshotted prefix.
+
+Keys form a hash chain over the token ids, block by block, seeded with the model fingerprint: a key
+names a whole prefix, never a suffix that happens to match. LRU eviction under a byte budget
+(snapshot state bytes; the KV blocks they hold live in the KV pool and are given back on demand).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.pools import KVPool
+
+LayerState = tuple[torch.Tensor, torch.Tensor] | None  # (conv window [C,W-1], state [HV,K,V])
+
+
+@dataclass(slots=True)
+class Snapshot:
+    key: bytes
+    length: int  # positions covered: a multiple of the granularity
+    states: list[LayerState]  # per layer; None for attention layers
+    blocks: list[int]  # KV blocks of positions [0, length); one reference held here
+    nbytes: int
+
+
+def chain_keys(seed: bytes, token_ids: list[int], granularity: int, max_len: int) -> list[bytes]:
+    """keys[i] names the prefix token_ids[: (i+1) * granularity], for every full step <= max_len."""
+    keys, key = [], seed
+    for end in range(granularity, min(max_len, len(token_ids)) + 1, granularity):
+        block = torch.tensor(token_ids[end - granularity : end], dtype=torch.int64).numpy().tobytes()
+        key = hashlib.blake2b(key + block, digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, kv: KVPool, granularity: int, budget_bytes: int, fingerprint: str) -> None:
+        if granularity % kv.block_len:
+            raise ValueError(f"granularity {granularity} must be a multiple of the KV block length "
+                             f"{kv.block_len}")
+        self.kv, self.granularity, self.budget_bytes = kv, granularity, budget_bytes
+        self.fingerprint = fingerprint
+        self.seed = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+        self.entries: OrderedDict[bytes, Snapshot] = OrderedDict()  # oldest use first
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def keys(self, token_ids: list[int], max_len: int) -> list[bytes]:
+        return chain_keys(self.seed, token_ids, self.granularity, max_len)
+
+    def lookup(self, token_ids: list[int], max_len: int) -> Snapshot | None:
+        """The longest cached prefix of token_ids no longer than max_len (marked recently used)."""
+        for key in reversed(self.keys(token_ids, max_len)):
+            snap = self.entries.get(key)
+            if snap is not None:
+                self.entries.move_to_end(key)
+                self.hits += 1
+                return snap
+        self.misses += 1
+        return None
+
+    def wanted(self, token_ids: list[int], start: int, end: int) -> tuple[int, ...]:
+        """Grid positions in (start, end] not cached yet (where a prefill should snapshot)."""
+        keys = self.keys(token_ids, end)
+        first = start // self.granularity  # keys[i] is position (i+1)*granularity
+        return tuple((i + 1) * self.granularity for i in range(first, len(keys))
+                     if keys[i] not in self.entries)
+
+    def insert(self, token_ids: list[int], length: int, states: list[LayerState],
+               blocks: list[int]) -> None:
+        """Keep a snapshot at `length` (takes a reference on blocks[: length / block_len])."""
+        if length % self.granularity or length > len(token_ids):
+            raise ValueError(f"snapshot length {length} is off the {self.granularity}-token grid")
+        key = self.keys(token_ids, length)[-1]
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        held = list(blocks[: length // self.kv.block_len])
+        nbytes = sum(c.numel() * c.element_size() + r.numel() * r.element_size()
+                     for s in states if s is not None for c, r in [s])
+        if nbytes > self.budget_bytes:
+            return
+        self.kv.incref(held)
+        self.entries[key] = Snapshot(key, length, states, held, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget_bytes:
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used snapshot; False when empty."""
+        if not self.entries:
+            return False
+        _, snap = self.entries.popitem(last=False)
+        self.kv.decref(snap.blocks)
+        self.nbytes -= snap.nbytes
+        self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self.entries), "bytes": self.nbytes, "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions}

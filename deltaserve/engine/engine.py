@@ -1,0 +1,140 @@
+"""The batched engine: requests in, one scheduler plan and one batched forward per step, tokens out.
+
+step() = plan = scheduler.schedule(); logits = runner.execute(plan); sample per request;
+scheduler.update(plan, sampled); stop checks (EOS, stop ids and strings, length) end requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.manager import CacheConfig, CacheManager
+from deltaserve.engine.request import Request, Status
+from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.sampling import SamplingParams, make_generator, sample
+from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
+from deltaserve.engine.stopping import StopChecker
+from deltaserve.errors import RequestError
+from deltaserve.tokenizer import StreamDecoder
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request: new text and token(s), and whether it ended."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Live:
+    params: SamplingParams
+    gen: torch.Generator | None
+    stops: StopChecker
+    detok: StreamDecoder
+    max_new: int
+    t_added: float
+    t_first: float | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, eos_ids: frozenset[int], max_model_len: int,
+                 config: EngineConfig, fingerprint: str) -> None:
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self.max_model_len, self.config = max_model_len, config
+        self.cache = CacheManager(model, config.cache, fingerprint)
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.runner = ModelRunner(model, self.cache)
+        self._live: dict[str, _Live] = {}
+        self.num_steps = 0
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        budget = self.max_model_len - len(prompt_ids)
+        if budget < 1:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context limit is "
+                               f"{self.max_model_len}")
+        max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        self.scheduler.add(Request(request_id, list(prompt_ids), max_new))
+        max_new = self.scheduler.get(request_id).max_new_tokens  # capped to what the KV pool holds
+        self._live[request_id] = _Live(
+            params, make_generator(params, self.model.device), StopChecker(params, self.eos_ids),
+            StreamDecoder(self.tokenizer, params.skip_special_tokens), max_new, time.perf_counter()
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def abort(self, request_id: str) -> bool:
+        self._live.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def park(self, request_id: str) -> None:
+        self.scheduler.park(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
+                   for c in plan.chunks if len(c.token_ids) > 1}
+        logits = self.runner.execute(plan, all_ids)
+        sampled = {rid: sample(lg, self._live[rid].params, self._live[rid].gen)
+                   for rid, lg in logits.items()}
+        self.scheduler.update(plan, sampled)
+        self.num_steps += 1
+        return [self._emit(rid, token) for rid, token in sampled.items()]
+
+    def _emit(self, rid: str, token: int) -> StepOutput:
+        live, req = self._live[rid], self.scheduler.get(rid)
+        live.t_first = live.t_first or time.perf_counter()
+        ended = live.stops.token_stop(token)
+        text, stop_str = ("", None) if ended else live.stops.add_text(live.detok.push(token))
+        if stop_str is not None:
+            ended = ("stop", stop_str)
+        elif ended is None and len(req.output_ids) >= live.max_new:
+            ended = ("length", None)
+        if not ended:
+            return StepOutput(rid, text, (token,))
+        if stop_str is None:  # text held back by the detokenizer or a partial stop match
+            tail, hit = live.stops.add_text(live.detok.flush())
+            text += tail if hit is not None else tail + live.stops.finish()
+        self.scheduler.finish(rid, ended[0])
+        del self._live[rid]
+        return StepOutput(rid, text, (token,), True, ended[0], ended[1])
+
+    def export_prefix_cache(self, path) -> int:
+        from deltaserve.cache.snapshot_io import export_snapshots
+
+        if self.cache.prefix is None:
+            raise RequestError("the prefix cache is off (prefix_cache_bytes=0)")
+        return export_snapshots(self.cache.prefix, path)
+
+    def import_prefix_cache(self, path) -> int:
+        from deltaserve.cache.snapshot_io import import_snapshots
+
+        if self.cache.prefix is None:
+            raise RequestError("the prefix cache is off (prefix_cache_bytes=0)")
+        return import_snapshots(self.cache.prefix, path)
+
+    def request_status(self, request_id: str) -> Status | None:
+        try:
+            return self.scheduler.get(request_id).status
+        except KeyError:
+            return None

@@ -1,0 +1,49 @@
+"""One generation request as the scheduler tracks it: its tokens, its progress, its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new or preempted): holds no slot and no KV
+    RUNNING = "running"  # holds a slot; scheduled every step the budget allows
+    PARKED = "parked"  # holds its slot but is never scheduled nor preempted
+    FINISHED = "finished"  # done or aborted; holds nothing
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int  # the scheduler never schedules past prompt+max_new_tokens
+    arrival: int = 0  # set by Scheduler.add (monotonic counter): FCFS order
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens of all_ids whose effect is in the cache slot
+    num_restored: int = 0  # of those, how many came from the prefix cache at admission (metrics)
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_ids) without building the list (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """all_ids[start:end] without copying the whole prompt (a decode reads one token)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return tuple(self.prompt_ids[start:end])
+        if start >= n:
+            return tuple(self.output_ids[start - n : end - n])
+        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[: end - n])

@@ -1,0 +1,36 @@
+"""The model runner: turns a scheduler plan into one batched forward over the pools, stores the
+prefix snapshots the forward captured, and returns the logits of the chunks that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.batch import SeqChunk, StepBatch
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model, cache: CacheManager) -> None:
+        self.model, self.cache = model, cache
+
+    def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """all_ids: every planned request's known tokens (prefix keys are hashes of them).
+        Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
+        chunks, ids = [], []
+        for c in plan.chunks:
+            snap_at = ()
+            if len(c.token_ids) > 1:
+                snap_at = self.cache.snapshot_positions(all_ids[c.request_id], c.start_pos,
+                                                        c.start_pos + len(c.token_ids))
+            chunks.append(SeqChunk(c.slot, c.start_pos, len(c.token_ids),
+                                   self.cache.block_table(c.request_id), snap_at))
+            ids.extend(c.token_ids)
+        device = self.model.device
+        batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
+        logits = self.model.forward_batch(torch.tensor(ids, device=device), batch)
+        for i, snaps in batch.snapshots.items():
+            if snaps:
+                rid = plan.chunks[i].request_id
+                self.cache.store_snapshots(rid, all_ids[rid], snaps)
+        return {c.request_id: logits[i] for i, c in enumerate(plan.chunks) if c.sample}

@@ -1,0 +1,245 @@
+"""The batched engine against single runs, on the tiny checkpoint in fp32 (CPU)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from deltaserve.cache.manager import CacheConfig
+from deltaserve.engine.engine import Engine, EngineConfig
+from deltaserve.engine.sampling import SamplingParams
+from deltaserve.engine.scheduler import SchedulerConfig
+from deltaserve.errors import CapacityError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def make_engine(llm, num_slots=4, num_blocks=64, budget=96, prefix_bytes=1 << 28, max_waiting=64,
+                fingerprint="test"):
+    cfg = EngineConfig(SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget,
+                                       max_prefill_chunk=budget, max_waiting=max_waiting),
+                       CacheConfig(num_slots, num_blocks, 16, 64, prefix_bytes))
+    return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, cfg, fingerprint)
+
+
+def capture(engine) -> dict[str, list[torch.Tensor]]:
+    """Record the logits the runner hands to the sampler, per request."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def wrapped(plan, all_ids):
+        out = execute(plan, all_ids)
+        for rid, lg in out.items():
+            seen.setdefault(rid, []).append(lg.clone())
+        return out
+
+    engine.runner.execute = wrapped
+    return seen
+
+
+def run_all(engine, prompts: dict[str, list[int]], params=GREEDY, max_steps=2000):
+    tokens = defaultdict(list, {rid: [] for rid in prompts})
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+    assert not engine.has_work
+    return dict(tokens)
+
+
+def solo(model, ids: list[int], num_new: int):
+    """The single-sequence path: prefill in one call, then one token per call."""
+    state = model.new_state(1)
+    logits = [model(torch.tensor([ids]), state)[0]]
+    toks = [int(logits[-1].argmax())]
+    for _ in range(num_new - 1):
+        logits.append(model(torch.tensor([[toks[-1]]]), state)[0])
+        toks.append(int(logits[-1].argmax()))
+    return toks, torch.stack(logits)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def prompts_of(lengths, seed=0, vocab=1000) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(1, vocab, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
+
+
+def test_batch_of_n_equals_n_single_runs(tiny_llm) -> None:
+    engine = make_engine(tiny_llm, prefix_bytes=0)
+    seen = capture(engine)
+    prompts = prompts_of([5, 150, 70, 1, 33])  # 150 > budget 96: chunked, mixed with decodes
+    tokens = run_all(engine, prompts)
+    for rid, ids in prompts.items():
+        want_toks, want_logits = solo(tiny_llm.model, ids, GREEDY.max_tokens)
+        assert tokens[rid] == want_toks, rid
+        got = torch.stack(seen[rid])
+        assert got.shape == want_logits.shape
+        assert rel(got, want_logits) <= 1e-5, rid
+
+
+def prefix_cases(base: list[int]) -> dict[str, list[int]]:
+    """Prompts sharing base's first tokens: resuming exactly at a boundary (128, then one token),
+    between boundaries (64 + 36), past the last one, and diverging after 130 tokens."""
+    return {"at": base[:129], "between": base[:100], "past": base[:192] + [7, 8, 9],
+            "diverging": base[:130] + [5] * 20}
+
+
+@pytest.mark.parametrize(("budget", "bound"), [(64, 0.0), (96, 1e-6)])
+def test_prefix_hit_equals_miss_at_and_between_boundaries(tiny_llm, budget, bound) -> None:
+    """One request at a time. With chunks of the snapshot granularity (64) the hit runs the same
+    kernels on the same rows as the miss past the boundary: bit-identical logits. With 96-token
+    chunks the miss crosses the boundary inside a chunk (another GEMM row count; a 1-token tail
+    takes the decode kernel instead of the scan): within 1e-6."""
+    base = prompts_of([200], seed=3)["r0"]
+    cold = make_engine(tiny_llm, prefix_bytes=0, budget=budget)
+    warm = make_engine(tiny_llm, budget=budget)
+    run_all(warm, {"seed": base})  # snapshots at 64, 128, 192
+    assert warm.cache.prefix.stats()["entries"] == 3
+    seen_cold, seen_warm = capture(cold), capture(warm)
+    for rid, ids in prefix_cases(base).items():
+        hits = warm.cache.prefix.hits
+        assert run_all(warm, {rid: ids}) == run_all(cold, {rid: ids}), rid
+        assert warm.cache.prefix.hits == hits + 1
+        got, want = torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])
+        assert rel(got, want) <= bound, rid
+
+
+def test_prefix_hits_in_a_mixed_batch(tiny_llm) -> None:
+    """All cases at once, hits and misses sharing steps: greedy identical, the batch bound."""
+    base = prompts_of([200], seed=3)["r0"]
+    cold, warm = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm)
+    run_all(warm, {"seed": base})
+    seen_cold, seen_warm = capture(cold), capture(warm)
+    out_cold, out_warm = run_all(cold, prefix_cases(base)), run_all(warm, prefix_cases(base))
+    for rid in out_cold:
+        assert out_warm[rid] == out_cold[rid], rid
+        assert rel(torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])) <= 1e-5, rid
+
+
+def test_restored_state_is_bit_identical_to_a_miss(tiny_llm) -> None:
+    """The snapshot at 128 taken inside a 200-token prefill equals the state of a 128-token run."""
+    ids = prompts_of([200], seed=5)["r0"]
+    warm = make_engine(tiny_llm)
+    run_all(warm, {"a": ids})
+    snap = warm.cache.prefix.lookup(ids + [1], 129)
+    assert snap is not None and snap.length == 128
+    cold = make_engine(tiny_llm, prefix_bytes=0)
+    cold.add_request("b", ids[:128], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    cold.step()  # budget 96: [0, 64) then [64, 128) (chunks stop on the 64-grid)
+    cold.step()
+    slot = cold.cache.slot_of("b")
+    for layer, s in enumerate(snap.states):
+        if s is None:
+            continue
+        assert torch.equal(s[0], cold.cache.states.conv[layer][slot]), layer
+        assert torch.equal(s[1], cold.cache.states.recurrent[layer][slot]), layer
+        assert s[1].abs().sum() > 0
+
+
+def test_park_resume_and_abort_leave_others_exact(tiny_llm) -> None:
+    engine = make_engine(tiny_llm, prefix_bytes=0)
+    prompts = prompts_of([20, 30, 40], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    tokens = {rid: [] for rid in prompts}
+    for _ in range(3):
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+    engine.park("r0")
+    engine.abort("r2")
+    parked_len = len(tokens["r0"])
+    for _ in range(4):
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+    assert len(tokens["r0"]) == parked_len  # parked: no progress
+    engine.resume("r0")
+    while engine.has_work:
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+    for rid in ("r0", "r1"):
+        assert tokens[rid] == solo(tiny_llm.model, prompts[rid], 10)[0], rid
+    usage = engine.cache.usage()
+    assert usage["slots_used"] == 0 and usage["blocks_free"] == usage["blocks_total"]
+
+
+def test_every_byte_returns_to_the_pools(tiny_llm) -> None:
+    engine = make_engine(tiny_llm)
+    run_all(engine, prompts_of([130, 70, 10], seed=9))
+    usage = engine.cache.usage()
+    assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
+    assert usage["prefix_entries"] == 3  # 64 and 128 of the first, 64 of the second
+    assert usage["blocks_free"] < usage["blocks_total"]  # snapshots hold their KV blocks
+    engine.cache.prefix.clear()
+    assert engine.cache.usage()["blocks_free"] == usage["blocks_total"]
+    assert engine.cache.usage()["prefix_bytes"] == 0
+
+
+def test_reset_one_slot_leaves_neighbours(tiny_llm) -> None:
+    engine = make_engine(tiny_llm, prefix_bytes=0)
+    states = engine.cache.states
+    slots = [states.allocate() for _ in range(3)]
+    for layer, r in enumerate(states.recurrent):
+        if r is not None:
+            r[slots].normal_()
+            states.conv[layer][slots].normal_()
+    before = [None if r is None else r.clone() for r in states.recurrent]
+    states.reset(slots[1])
+    for layer, r in enumerate(states.recurrent):
+        if r is not None:
+            assert torch.equal(r[slots[0]], before[layer][slots[0]])
+            assert torch.equal(r[slots[2]], before[layer][slots[2]])
+            assert r[slots[1]].abs().sum() == 0
+
+
+def test_full_pools_wait_or_refuse(tiny_llm) -> None:
+    # 2 slots for 5 requests: the rest wait and run later, every output exact
+    engine = make_engine(tiny_llm, num_slots=2, num_blocks=24, prefix_bytes=0)
+    prompts = prompts_of([40, 50, 60, 30, 20], seed=11)
+    tokens = run_all(engine, prompts)
+    for rid, ids in prompts.items():
+        assert tokens[rid] == solo(tiny_llm.model, ids, GREEDY.max_tokens)[0], rid
+    small = make_engine(tiny_llm, num_slots=2, num_blocks=4, max_waiting=2, prefix_bytes=0)
+    with pytest.raises(CapacityError, match="KV pool"):
+        small.add_request("big", list(range(1, 80)), GREEDY)  # 4 blocks of 16 = 64 positions
+    small.add_request("a", [1, 2, 3], GREEDY)
+    small.add_request("b", [4, 5, 6], GREEDY)
+    with pytest.raises(CapacityError, match="queue is full"):
+        small.add_request("c", [7, 8, 9], GREEDY)
+    out = run_all(small, {})  # the two admitted requests still run to the end, exactly
+    assert out == {rid: solo(tiny_llm.model, ids, GREEDY.max_tokens)[0]
+                   for rid, ids in (("a", [1, 2, 3]), ("b", [4, 5, 6]))}
+
+
+def test_export_import_round_trip_and_refusals(tiny_llm, tmp_path) -> None:
+    ids = prompts_of([140], seed=13)["r0"]
+    src = make_engine(tiny_llm)
+    run_all(src, {"a": ids})
+    path = tmp_path / "prefix.safetensors"
+    assert src.export_prefix_cache(path) == 2
+    dst = make_engine(tiny_llm)
+    seen = capture(dst)
+    assert dst.import_prefix_cache(path) == 2
+    out = run_all(dst, {"b": ids[:130] + [3, 4]})
+    assert dst.cache.prefix.hits == 1
+    want_toks, want_logits = solo(tiny_llm.model, ids[:130] + [3, 4], GREEDY.max_tokens)
+    assert out["b"] == want_toks
+    assert rel(torch.stack(seen["b"]), want_logits) <= 1e-5
+    other = make_engine(tiny_llm, fingerprint="another-model")
+    before = other.cache.usage()
+    from deltaserve.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        other.import_prefix_cache(path)
+    assert other.cache.usage() == before
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        other.import_prefix_cache(tmp_path / "junk.safetensors")
