@@ -15,6 +15,7 @@ from deltaserve.errors import DeltaserveError
 
 
 def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
+    batch, shared = getattr(args, "batch", None), getattr(args, "shared_prefix", 0)
     cmd = [
         sys.executable,
         "-m",
@@ -30,7 +31,9 @@ def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
         "--repeats",
         str(args.repeats),
         "--batch",
-        args.batch or "",
+        batch or "",
+        "--shared-prefix",
+        str(shared or 0),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -57,7 +60,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "the peer needs transformers: pip install 'deltaserve[validate]' (or pass --peer none)"
         )
     engines = {"deltaserve": _worker("ours", model_dir, args)}
-    if args.peer == "transformers":
+    if args.peer == "transformers" and not getattr(args, "shared_prefix", 0):
         engines["transformers"] = _worker("transformers", model_dir, args)
     record = {
         "kind": "cpu-bench",
@@ -73,7 +76,8 @@ def run_bench(args: argparse.Namespace) -> int:
             "decode_tokens": args.decode_tokens,
             "decode_prompt_len": 16,
             "repeats": args.repeats,
-            "batch": args.batch or None,
+            "batch": getattr(args, "batch", None),
+            "shared_prefix": getattr(args, "shared_prefix", 0) or None,
             "eos": "ignored",
         },
         "engines": engines,
@@ -87,7 +91,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _print_table(engines: dict[str, dict]) -> None:
-    keys = [k for k in next(iter(engines.values())) if k.endswith(("tok_s", "_gb"))]
+    keys = [k for k in next(iter(engines.values())) if k.endswith(("tok_s", "_gb", "_s", "up"))]
     print(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines), file=sys.stderr)
     for k in keys:
         print(

@@ -46,14 +46,15 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
     return out
 
 
-def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int) -> dict:
+def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int,
+                device: str = "cpu") -> dict:
     """Aggregate decode tok/s with B sequences decoding together (16-token random prompts, EOS
     ignored): timed from the step after every sequence has its first token to the last token."""
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(2048, 16 * max(batches)))
+    llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=0,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, 16 * max(batches)))
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     out = {}
@@ -72,21 +73,24 @@ def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: 
     return out
 
 
-def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int) -> dict:
+def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int,
+                        device: str = "cpu") -> dict:
     from deltaserve.validate.reference import load_reference
 
-    model = load_reference(model_dir, DTYPES[dtype])
+    model = load_reference(model_dir, DTYPES[dtype]).to(device)
     gen = torch.Generator().manual_seed(1)
     out = {}
     with torch.inference_mode():
         for b in batches:
-            ids = torch.randint(0, model.config.vocab_size, (b, 16), generator=gen)
+            ids = torch.randint(0, model.config.vocab_size, (b, 16), generator=gen).to(device)
             res = model(ids, use_cache=True, logits_to_keep=1)
             past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
             t0 = time.perf_counter()
             for _ in range(decode_tokens - 1):
                 res = model(token, past_key_values=past, use_cache=True)
                 past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            if device != "cpu":
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             out[f"batch_{b}_decode_tok_s"] = b * (decode_tokens - 1) / dt
             out[f"batch_{b}_per_seq_tok_s"] = (decode_tokens - 1) / dt
@@ -127,6 +131,29 @@ def _transformers(
     return out
 
 
+def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str = "cpu") -> dict:
+    """Time to first token of a request whose first `prefix_len` tokens (a shared system prompt)
+    another request already ran, with the prefix cache on (hit) and off (miss), same prompt."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(2)
+    out = {"prefix_len": prefix_len}
+    for name, budget in (("miss", 0), ("hit", 4 << 30)):
+        llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=budget)
+        system = torch.randint(0, llm.config.vocab_size, (prefix_len,), generator=gen).tolist()
+        llm.generate([system + [11, 12, 13]], one)  # the first user of the system prompt
+        question = torch.randint(0, llm.config.vocab_size, (40,), generator=gen).tolist()
+        t0 = time.perf_counter()
+        llm.generate([system + question], one)
+        out[f"ttft_{name}_s"] = time.perf_counter() - t0
+        gen = torch.Generator().manual_seed(2)  # the same prompts for both runs
+        del llm
+    out["speedup"] = out["ttft_miss_s"] / out["ttft_hit_s"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("engine", choices=["ours", "transformers"])
@@ -136,9 +163,12 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", default="", help="batch sizes: aggregate decode instead")
+    p.add_argument("--shared-prefix", type=int, default=0, help="TTFT with a cached system prompt")
     a = p.parse_args()
     lens = [int(x) for x in a.lens.split(",") if x]
-    if a.batch:
+    if a.shared_prefix:
+        result = shared_prefix_ttft(Path(a.model_dir), a.dtype, a.shared_prefix)
+    elif a.batch:
         batches = [int(x) for x in a.batch.split(",") if x]
         fn = _ours_batch if a.engine == "ours" else _transformers_batch
         result = fn(Path(a.model_dir), a.dtype, batches, a.decode_tokens)
