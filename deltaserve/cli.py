@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     bench.add_argument("--batch", default=None,
                        help="e.g. 1,8,32,64,128: aggregate and per-sequence decode tok/s instead")
+    bench.add_argument("--shared-prefix", type=int, default=0,
+                       help="N: time to first token behind an N-token cached system prompt, hit vs miss")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
