@@ -12,8 +12,9 @@ SNAPSHOT_FORMAT_VERSION = 1
 _DATA_SAMPLE = 1 << 20
 
 
-def model_fingerprint(model_dir: Path, act_dtype: str) -> str:
-    h = hashlib.sha256(f"v{SNAPSHOT_FORMAT_VERSION}|{act_dtype}|".encode())
+def model_fingerprint(model_dir: Path, dtypes: str) -> str:
+    """dtypes: weight and activation dtypes, e.g. 'torch.bfloat16/torch.float32'."""
+    h = hashlib.sha256(f"v{SNAPSHOT_FORMAT_VERSION}|{dtypes}|".encode())
     h.update((Path(model_dir) / "config.json").read_bytes())
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with path.open("rb") as f:

@@ -228,6 +228,6 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     cache = CacheConfig(max_num_seqs, num_blocks, block_len, 64, prefix_cache_bytes)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens)
-    fingerprint = model_fingerprint(llm.model_dir, str(llm.model.act_dtype))
+    fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}")
     return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
                   EngineConfig(sched, cache), fingerprint)

@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.ops.gemv import gemv
+from deltaserve.ops.gemv import gemm_small, gemv
 
 # From this many rows up a bf16/fp16 weight is widened once to the activation dtype and the GEMM runs
 # there (CPUs without AMX run fp32 GEMMs ~1.6x faster than bf16). Below it each row is a GEMV that
 # reads the narrow weight directly, since decode is bound by weight bytes.
 WIDEN_MIN_ROWS = 4
+# bf16 weights on CPU: up to this many rows (a decode batch) one native pass streams the weight once
+# for all rows (ops/gemv.gemm_small); above it (prefill chunks) widening + the fp32 GEMM wins.
+# Crossover measured by scripts/cpu/linear_dispatch_bench.py (BENCHMARKS.md, issue 5).
+SMALL_GEMM_MAX_ROWS = 128
 
 
 class Linear(nn.Module):
@@ -81,12 +85,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    if rows >= WIDEN_MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
+    if not cpu_fp32 or rows > SMALL_GEMM_MAX_ROWS or (rows > 1 and weight.dtype != torch.bfloat16):
         return F.linear(x, widened(weight, x.dtype))
     flat = x.reshape(rows, x.shape[-1])
-    out = (
-        torch.cat([gemv(flat[r : r + 1], weight) for r in range(rows)])
-        if rows > 1
-        else gemv(flat, weight)
-    )
+    out = gemv(flat, weight) if rows == 1 else gemm_small(flat, weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -7,6 +7,8 @@ math in fp32, so bf16 decode equals fp32 math on the bf16 weights.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -37,4 +39,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         weight.shape[1],
         torch.get_num_threads(),
     )
+    return out
+
+
+def gemm_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M,K] fp32 (CPU, small M: a decode batch); weight [N,K] bf16 -> [M,N] fp32, the weight
+    streamed once for all M rows (ds_gemm_bf16), fp32 math as in gemv."""
+    lib = native_lib()
+    if env().reference_ops or lib is None or weight.dtype != torch.bfloat16 \
+            or not weight.is_contiguous():
+        return gemv_ref(x, weight)
+    fn = lib.ds_gemm_bf16
+    if fn.argtypes is None:  # registered beside its one caller
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        fn.restype = None
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0],
+       weight.shape[1], torch.get_num_threads())
     return out

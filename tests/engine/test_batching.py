@@ -72,13 +72,24 @@ def prompts_of(lengths, seed=0, vocab=1000) -> dict[str, list[int]]:
     return {f"r{i}": torch.randint(1, vocab, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
 
 
-def test_batch_of_n_equals_n_single_runs(tiny_llm) -> None:
-    engine = make_engine(tiny_llm, prefix_bytes=0)
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_dir):
+    from deltaserve import LLM
+
+    return LLM(tiny_dir, dtype="bfloat16")  # bf16 weights, fp32 activations on CPU
+
+
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_batch_of_n_equals_n_single_runs(tiny_llm, tiny_bf16, which) -> None:
+    """bf16 weights: decode rows of a batch go through the small-batch GEMM, singles through the
+    GEMV; both are fp32 math on the same bf16 weights."""
+    llm = tiny_llm if which == "fp32" else tiny_bf16
+    engine = make_engine(llm, prefix_bytes=0)
     seen = capture(engine)
     prompts = prompts_of([5, 150, 70, 1, 33])  # 150 > budget 96: chunked, mixed with decodes
     tokens = run_all(engine, prompts)
     for rid, ids in prompts.items():
-        want_toks, want_logits = solo(tiny_llm.model, ids, GREEDY.max_tokens)
+        want_toks, want_logits = solo(llm.model, ids, GREEDY.max_tokens)
         assert tokens[rid] == want_toks, rid
         got = torch.stack(seen[rid])
         assert got.shape == want_logits.shape

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_ref
-from deltaserve.ops.gemv import gemv, gemv_ref
+from deltaserve.ops.gemv import gemm_small, gemv, gemv_ref
 from deltaserve.ops.native import native_lib
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: torch paths only")
@@ -75,3 +75,15 @@ def test_rmsnorm_matches_reference(rows: int, dim: int, offset: float) -> None:
     x = torch.randn(rows, dim, generator=gen) * 3
     w = torch.randn(dim, generator=gen) * 0.1
     assert rel(rms_norm(x, w, 1e-6, offset), rms_norm_ref(x, w, 1e-6, offset)) <= 1e-6
+
+
+@pytest.mark.parametrize("batch", [2, 3, 5, 16, 37])
+@pytest.mark.parametrize(("rows", "cols"), [(7, 64), (203, 1000), (1024, 3584)])
+def test_small_batch_gemm_matches_reference(batch: int, rows: int, cols: int) -> None:
+    """Rows not a multiple of the 4-row tile, batches not a multiple of 4, K with a scalar tail."""
+    torch.manual_seed(batch * rows)
+    w = torch.randn(rows, cols).bfloat16()
+    x = torch.randn(batch, cols)
+    out = gemm_small(x, w)
+    assert out.shape == (batch, rows)
+    assert rel(out, gemv_ref(x, w)) <= 1e-6

@@ -78,3 +78,68 @@ void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, i
   }
   rows_scalar(w, x, y, num_blocks * ROWS, N, K);
 }
+
+// Small-batch GEMM for bf16 weights: y[m,n] = sum_k float(w[n,k]) * x[m,k] for M activation rows
+// (continuous batching's decode steps). Each block of 4 weight rows is streamed from memory once
+// and meets the activation rows 4 at a time while it sits in L1: weight traffic as for one row,
+// 16 accumulators per (4 weight rows x 4 activation rows) tile.
+#define WR 4
+#define XR 4
+#if defined(__AVX512F__)
+static void tile_avx512(const uint16_t* w, const float* x, float* y, long n0, long m0, long nx,
+                        long N, long K) {
+  __m512 acc[XR][WR];
+  for (int m = 0; m < XR; m++)
+    for (int r = 0; r < WR; r++) acc[m][r] = _mm512_setzero_ps();
+  const uint16_t* rows = w + n0 * K;
+  long k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[WR];
+    for (int r = 0; r < WR; r++) wv[r] = load_bf16(rows + r * K + k);
+    for (int m = 0; m < XR; m++) {
+      if (m >= nx) break;
+      __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
+      for (int r = 0; r < WR; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < nx; m++) {
+    for (int r = 0; r < WR; r++) {
+      float tail = 0.f;
+      for (long t = k; t < K; t++) tail += bf16_to_f32(rows[r * K + t]) * x[(m0 + m) * K + t];
+      y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) + tail;
+    }
+  }
+}
+#endif
+
+static void rows_scalar_m(const uint16_t* w, const float* x, float* y, long n0, long n1, long M,
+                          long N, long K) {
+  for (long m = 0; m < M; m++) {
+    for (long n = n0; n < n1; n++) {
+      const uint16_t* r = w + n * K;
+      float acc = 0.f;
+      for (long k = 0; k < K; k++) acc += bf16_to_f32(r[k]) * x[m * K + k];
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, long K,
+                  int num_threads) {
+  long num_blocks = N / WR;
+#pragma omp parallel num_threads(num_threads)
+  {
+  DS_FTZ();
+#pragma omp for schedule(static)
+  for (long b = 0; b < num_blocks; b++) {
+#if defined(__AVX512F__)
+    if (b + 1 < num_blocks) _mm_prefetch((const char*)(w + (b + 1) * WR * K), _MM_HINT_T0);
+    for (long m0 = 0; m0 < M; m0 += XR)
+      tile_avx512(w, x, y, b * WR, m0, M - m0 < XR ? M - m0 : XR, N, K);
+#else
+    rows_scalar_m(w, x, y, b * WR, (b + 1) * WR, M, N, K);
+#endif
+  }
+  }
+  rows_scalar_m(w, x, y, num_blocks * WR, N, M, N, K);
+}
