@@ -254,3 +254,39 @@ def test_export_import_round_trip_and_refusals(tiny_llm, tmp_path) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="cannot read"):
         other.import_prefix_cache(tmp_path / "junk.safetensors")
+
+
+def test_kv_pressure_preempts_and_recomputes_exactly(tiny_llm) -> None:
+    # 12 blocks of 16 = 192 positions for 4 sequences that grow to 60 each: someone is preempted
+    engine = make_engine(tiny_llm, num_slots=4, num_blocks=12, prefix_bytes=0)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = prompts_of([40, 40, 40, 40], seed=17)
+    preempted = []
+    schedule = engine.scheduler.schedule
+
+    def watch():
+        plan = schedule()
+        preempted.extend(plan.preempted)
+        return plan
+
+    engine.scheduler.schedule = watch
+    tokens = run_all(engine, prompts, params)
+    assert preempted, "the pool was meant to run short"
+    for rid, ids in prompts.items():
+        assert tokens[rid] == solo(tiny_llm.model, ids, 20)[0], rid
+    assert engine.cache.usage()["blocks_free"] == 12
+
+
+def test_snapshots_of_another_dtype_are_refused(tiny_llm, tiny_bf16, tmp_path) -> None:
+    """Real fingerprints (LLM.engine): the same checkpoint loaded with bf16 weights is another
+    model as far as its states go."""
+    from deltaserve.errors import CheckpointError
+
+    ids = prompts_of([70], seed=19)["r0"]
+    tiny_llm.generate({"prompt_token_ids": ids}, GREEDY)
+    path = tmp_path / "fp32.safetensors"
+    assert tiny_llm.engine.export_prefix_cache(path) >= 1
+    before = tiny_bf16.engine.cache.usage()
+    with pytest.raises(CheckpointError, match="refused"):
+        tiny_bf16.engine.import_prefix_cache(path)
+    assert tiny_bf16.engine.cache.usage() == before
