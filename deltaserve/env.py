@@ -23,6 +23,8 @@ class Env:
     offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
+    # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
+    exact_int8_activations: bool
 
     @classmethod
     def read(cls) -> Env:
@@ -34,6 +36,7 @@ class Env:
             offline=_flag("HF_HUB_OFFLINE"),
             native=_flag("DELTASERVE_NATIVE", default=True),
             huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
+            exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
         )
 
 

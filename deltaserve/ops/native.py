@@ -66,6 +66,9 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int]
         fn.restype = None
+    if hasattr(lib, "ds_gemv_q8_vnni"):  # built only where the compiler targets AVX512-VNNI
+        lib.ds_gemv_q8_vnni.argtypes = lib.ds_gemv_q8.argtypes
+        lib.ds_gemv_q8_vnni.restype = None
     lib.ds_dequant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
         ctypes.c_int
     ]

@@ -1,8 +1,18 @@
 """Decode GEMV on quantized weights (CPU): the packed codes are read once, never widened to a
 dense matrix. Native kernels (ops/csrc/gemv_quant.c) cover int8, 4-bit affine and q1; other
-layouts (MLX 8-bit affine, 2/3/5/6-bit) take the reference: dequantize, then F.linear."""
+layouts (MLX 8-bit affine, 2/3/5/6-bit) take the reference: dequantize, then F.linear.
+
+int8 decode, where the library was built with AVX512-VNNI, quantizes the activation x to int8 per
+group of the weight's group size (64 in our format; symmetric, d = absmax/127, round to nearest
+even) and runs integer dot products: llama.cpp's Q8_0 x Q8_0 semantics. That is not
+bit-comparable to dequantize-then-F.linear (rel-L2 ~0.6% on gaussian data), nor to machines
+without VNNI; its exact reference is `qgemv_q8_act_ref`. DELTASERVE_EXACT_INT8_ACT=1 keeps fp32
+activations (the exact kernel, as do groups that are not a multiple of 64).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +25,24 @@ from deltaserve.quant.schemes import Scheme, dequantize
 def qgemv_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     """x [1,K] fp32, packed weight dict -> [1,N] fp32: dequantize-then-F.linear, the spec."""
     return F.linear(x.float(), dequantize(p, scheme, torch.float32))
+
+
+def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] -> (xq int32 [K/G, G] in [-127, 127], dx fp32 [K/G]): the VNNI kernel's encoder."""
+    xg = x.float().reshape(-1, group)
+    d = xg.abs().amax(-1) / 127.0
+    # x / d (as the kernel): a zero group stays zero instead of 0 * inf
+    q = torch.where(d[:, None] > 0, xg / d[:, None], 0.0).round().clamp(-127, 127)
+    return q.to(torch.int32), d
+
+
+def qgemv_q8_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
+    """The int8-activation GEMV's math in torch: per group, the exact integer dot of codes and
+    quantized x, times scale * dx, summed over groups in fp32. x [1,K] -> [1,N] fp32."""
+    xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
+    w = p["weight"].to(torch.int32).reshape(p["weight"].shape[0], *xq.shape)
+    dots = (w * xq).sum(-1)  # [N, K/G], exact in int32
+    return (dots.float() * (p["scales"].float() * dx)).sum(-1).reshape(1, -1)
 
 
 _NATIVE_KINDS = {("int8", 8): 0, ("affine", 4): 1, ("q1", 1): 2}
@@ -34,6 +62,39 @@ def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Which int8 kernel won per (N, K) window [n_lo, n_hi) x [k_lo, k_hi), first match; shapes outside
+# every window take VNNI. Measured 2026-11-29 on the 2-core AVX512-VNNI Xeon, 2 threads, by
+#   python scripts/cpu/qgemv_bench.py --out qgemv_cpu.json
+# Comments: the shape measured there, exact -> VNNI µs when streamed from DRAM ("cold"). VNNI won
+# every shape, cold (1.11-1.18x) and cache-hot (1.19-1.88x); the table is the record, and the
+# place to send a window back to "exact" if a later kernel or machine says so.
+_Q8_WINNERS: dict[tuple[int, int, int, int], str] = {
+    (0, 3072, 0, 1536): "vnni",  # 2048x1024: 208.5 -> 183.0
+    (3072, 5120, 0, 1536): "vnni",  # 4096x1024: 289.9 -> 253.9
+    (5120, 6656, 0, 1536): "vnni",  # 6144x1024: 376.8 -> 325.0
+    (6656, 16384, 0, 1536): "vnni",  # 7168x1024: 488.1 -> 413.1
+    (16384, 1 << 40, 0, 1536): "vnni",  # 248320x1024 (vocabulary head): 15025 -> 12990
+    (0, 3072, 1536, 2560): "vnni",  # 1024x2048: 128.4 -> 116.1
+    (0, 3072, 2560, 4096): "vnni",  # 1024x3584: 246.3 -> 217.2
+}
+
+
+@functools.cache  # every decode GEMV asks; the answer per shape never changes
+def q8_kernel(n: int, k: int) -> str:
+    for (n_lo, n_hi, k_lo, k_hi), name in _Q8_WINNERS.items():
+        if n_lo <= n < n_hi and k_lo <= k < k_hi:
+            return name
+    return "vnni"
+
+
+def _q8_fn(lib, n: int, k: int, group: int):
+    """The int8 GEMV for this shape: VNNI where built, allowed and measured faster, else exact."""
+    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
+    if vnni is None or env().exact_int8_activations or group % 64 or k % group:
+        return lib.ds_gemv_q8
+    return vnni if q8_kernel(n, k) == "vnni" else lib.ds_gemv_q8
+
+
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]
@@ -46,7 +107,7 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     out = torch.empty(1, w.shape[0], dtype=torch.float32)
     args = (x.data_ptr(), out.data_ptr(), w.shape[0], k, scheme.group_size, torch.get_num_threads())
     if kind == ("int8", 8):
-        lib.ds_gemv_q8(w.data_ptr(), s.data_ptr(), *args)
+        _q8_fn(lib, w.shape[0], k, scheme.group_size)(w.data_ptr(), s.data_ptr(), *args)
     elif kind == ("affine", 4):
         lib.ds_gemv_a4(w.data_ptr(), s.data_ptr(), p["biases"].contiguous().data_ptr(), *args)
     else:
