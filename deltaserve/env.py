@@ -23,6 +23,7 @@ class Env:
     offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
+    cuda_graphs: bool  # DELTASERVE_CUDA_GRAPHS=0: GPU decode steps launch eagerly
     # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
     exact_int8_activations: bool
 
@@ -36,6 +37,7 @@ class Env:
             offline=_flag("HF_HUB_OFFLINE"),
             native=_flag("DELTASERVE_NATIVE", default=True),
             huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
+            cuda_graphs=_flag("DELTASERVE_CUDA_GRAPHS", default=True),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
         )
 

@@ -79,6 +79,13 @@ class StepBatch:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    def decode_rows(self) -> slice | list[int]:
+        """Flat rows of the decode chunks: a slice when the step is all decodes (no host-built
+        index tensor, so the step can be captured in a CUDA graph)."""
+        if not self.prefill:
+            return slice(None)
+        return [self.offsets[i] for i in self.decode]
+
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.chunks[i].num_tokens)
 

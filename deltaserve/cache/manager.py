@@ -38,9 +38,12 @@ class _Alloc:
 class CacheManager:
     def __init__(self, model, config: CacheConfig, fingerprint: str) -> None:
         self.config = config
-        sizes = PoolSizes(config.num_slots, config.num_blocks, config.block_len)
-        self.states = StatePool(model.cfg, config.num_slots, model.act_dtype, model.device)
+        # one spare slot and block beyond the configured ones: padding rows of a CUDA-graph decode
+        # step read and write them, never a sequence's
+        sizes = PoolSizes(config.num_slots + 1, config.num_blocks + 1, config.block_len)
+        self.states = StatePool(model.cfg, config.num_slots + 1, model.act_dtype, model.device)
         self.kv = KVPool(model.cfg, sizes, model.act_dtype, model.device)
+        self.spare_slot, self.spare_block = self.states.allocate(), self.kv.allocate(1)[0]
         self.prefix = (PrefixCache(self.kv, config.prefix_granularity, config.prefix_budget_bytes,
                                    fingerprint) if config.prefix_budget_bytes > 0 else None)
         self._allocs: dict[str, _Alloc] = {}
@@ -113,7 +116,7 @@ class CacheManager:
         held_by_requests = {b for a in self._allocs.values() for b in a.blocks}
         return {
             "slots_total": self.config.num_slots,
-            "slots_used": self.config.num_slots - self.states.num_free,
+            "slots_used": self.config.num_slots - self.states.num_free,  # the spare is not counted
             "blocks_total": self.config.num_blocks,
             "blocks_free": self.kv.num_free,
             "blocks_held_by_requests": len(held_by_requests),

@@ -95,11 +95,22 @@ class Engine:
         all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
                    for c in plan.chunks if len(c.token_ids) > 1}
         logits = self.runner.execute(plan, all_ids)
-        sampled = {rid: sample(lg, self._live[rid].params, self._live[rid].gen)
-                   for rid, lg in logits.items()}
+        sampled = self._sample(logits)
         self.scheduler.update(plan, sampled)
         self.num_steps += 1
         return [self._emit(rid, token) for rid, token in sampled.items()]
+
+    def _sample(self, logits: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Greedy rows in one argmax and one device-to-host copy; sampled rows one by one."""
+        greedy = [rid for rid in logits if self._live[rid].params.greedy]
+        out = {}
+        if greedy:
+            tokens = torch.stack([logits[rid] for rid in greedy]).argmax(-1).tolist()
+            out = dict(zip(greedy, tokens, strict=True))
+        for rid, lg in logits.items():
+            if rid not in out:
+                out[rid] = sample(lg, self._live[rid].params, self._live[rid].gen)
+        return {rid: out[rid] for rid in logits}
 
     def _emit(self, rid: str, token: int) -> StepOutput:
         live, req = self._live[rid], self.scheduler.get(rid)

@@ -8,15 +8,28 @@ import torch
 from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.scheduler import StepPlan
+from deltaserve.env import env
 
 
 class ModelRunner:
     def __init__(self, model, cache: CacheManager) -> None:
         self.model, self.cache = model, cache
+        self.graphs = None
+        if model.device.type == "cuda" and env().cuda_graphs:
+            from deltaserve.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block)
 
     def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """all_ids: every planned request's known tokens (prefix keys are hashes of them).
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
+        decodes = all(len(c.token_ids) == 1 for c in plan.chunks)
+        if self.graphs is not None and decodes and self.graphs.supports(len(plan.chunks)):
+            logits = self.graphs.run([c.token_ids[0] for c in plan.chunks],
+                                     [c.slot for c in plan.chunks],
+                                     [c.start_pos for c in plan.chunks],
+                                     [self.cache.block_table(c.request_id) for c in plan.chunks])
+            return {c.request_id: logits[i] for i, c in enumerate(plan.chunks) if c.sample}
         chunks, ids = [], []
         for c in plan.chunks:
             snap_at = ()

@@ -68,7 +68,7 @@ class GatedAttention(nn.Module):
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
         if batch.decode:  # one SDPA over all decoding sequences, padded keys masked out
-            rows = [batch.offsets[i] for i in batch.decode]
+            rows = batch.decode_rows()
             k_all, v_all = batch.kv.gather_batch(layer, batch.decode_tables)
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
             o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask,

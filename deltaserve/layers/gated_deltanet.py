@@ -88,7 +88,7 @@ class GatedDeltaNet(nn.Module):
         conv_pool, state_pool = batch.states.conv[layer], batch.states.recurrent[layer]
         out = x.new_empty(x.shape[1], self.value_dim)
         if batch.decode:
-            rows = [batch.offsets[i] for i in batch.decode]
+            rows = batch.decode_rows()
             o = gdn_decode_slots(qkv[0, rows], z[0, rows], b[0, rows], a[0, rows], conv_pool,
                                  self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state_pool,
                                  batch.decode_slots, self.norm.weight, self.norm.eps,

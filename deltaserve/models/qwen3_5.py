@@ -123,7 +123,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         for idx, layer in enumerate(self.model.layers):
             x = layer.forward_batch(x, idx, batch, cos_sin)
-        h = x[0] if all_logits else x[0, batch.last_rows()]
+        h = x[0] if all_logits or not batch.prefill else x[0, batch.last_rows()]
         h = self.model.norm(h)
         head = self.head
         return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()

@@ -1,0 +1,96 @@
+"""Decode steps replayed from CUDA graphs: a step whose chunks are all single-token decodes runs
+as one graph launch instead of ~700 kernel launches from Python.
+
+One graph per (batch bucket, KV-width bucket): the batch is padded to a power of two with rows
+that read and write a spare state slot and a spare KV block (so they disturb no sequence), and the
+block tables are padded to a power of two of blocks (the padded keys are masked out).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.batch import StepBatch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _bucket(n: int, buckets) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, spare_slot: int, spare_block: int) -> None:
+        self.model, self.cache = model, cache
+        self.spare_slot, self.spare_block = spare_slot, spare_block
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def supports(self, num_seqs: int) -> bool:
+        return _bucket(num_seqs, BATCH_BUCKETS) is not None
+
+    def run(self, ids: list[int], slots: list[int], positions: list[int],
+            tables: list[tuple[int, ...]]) -> torch.Tensor:
+        """Logits [len(ids), vocab] fp32 of one all-decode step (a view of a static buffer)."""
+        num = len(ids)
+        bsz = _bucket(num, BATCH_BUCKETS)
+        width = 1 << max(2, (max(len(t) for t in tables) - 1).bit_length())
+        key = (bsz, width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bsz, width)
+        graph, static, logits = self.graphs[key]
+        block_len = self.cache.kv.block_len
+        pad = bsz - num
+        host = {
+            "ids": ids + [0] * pad,
+            "slots": slots + [self.spare_slot] * pad,
+            "positions": positions + [0] * pad,
+            "kv_blocks": [t[p // block_len] for t, p in zip(tables, positions, strict=True)]
+            + [self.spare_block] * pad,
+            "kv_rows": [p % block_len for p in positions] + [0] * pad,
+            "lengths": [p + 1 for p in positions] + [1] * pad,
+        }
+        for name, values in host.items():
+            static[name].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        padded = [list(t) + [self.spare_block] * (width - len(t)) for t in tables]
+        padded += [[self.spare_block] * width] * pad
+        static["tables"].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        graph.replay()
+        return logits[:num]
+
+    def _batch(self, static: dict, bsz: int, width: int) -> StepBatch:
+        """A StepBatch whose tensors are the graph's static inputs (decode-only layout)."""
+        from deltaserve.cache.batch import SeqChunk
+
+        block_len = self.cache.kv.block_len
+        chunks = [SeqChunk(self.spare_slot, 0, 1, (self.spare_block,)) for _ in range(bsz)]
+        batch = StepBatch(chunks, self.cache.states, self.cache.kv)
+        batch.offsets = list(range(bsz))
+        batch.decode = list(range(bsz))
+        batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]
+        batch.kv_rows, batch.decode_slots = static["kv_rows"], static["slots"]
+        batch.decode_tables = static["tables"]
+        keys = torch.arange(width * block_len, device=static["ids"].device)
+        batch.decode_mask = (keys[None, :] < static["lengths"][:, None])[:, None, None, :]
+        return batch
+
+    def _capture(self, bsz: int, width: int):
+        device = self.model.device
+        static = {name: torch.zeros(bsz, dtype=torch.long, device=device)
+                  for name in ("ids", "slots", "positions", "kv_blocks", "kv_rows")}
+        static["lengths"] = torch.ones(bsz, dtype=torch.long, device=device)
+        static["slots"].fill_(self.spare_slot)
+        static["kv_blocks"].fill_(self.spare_block)
+        static["tables"] = torch.full((bsz, width), self.spare_block, dtype=torch.long,
+                                      device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
+            for _ in range(2):
+                self.model.forward_batch(static["ids"], self._batch(static, bsz, width))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            # the mask is computed inside the graph from the static lengths
+            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz, width))
+        return graph, static, logits
