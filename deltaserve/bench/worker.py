@@ -72,6 +72,23 @@ def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: 
             dt = time.perf_counter() - t0
         out[f"batch_{b}_decode_tok_s"] = produced / dt
         out[f"batch_{b}_per_seq_tok_s"] = produced / dt / b
+    if engine.runner.graphs is not None:  # GPU time of one decode step alone, per graph
+        out["graph_replay_ms"] = _replay_ms(engine.runner.graphs.graphs)
+    return out
+
+
+def _replay_ms(graphs: dict) -> dict[str, float]:
+    """Per captured (batch, KV width) graph: ms per replay, back to back (no host work between):
+    the step's device time, to set against the measured step time (the rest is host work)."""
+    out = {}
+    for (bsz, width), (graph, _, _) in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[f"b{bsz}_w{width}"] = (time.perf_counter() - t0) / 20 * 1e3
     return out
 
 
@@ -144,7 +161,10 @@ def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str
     out = {"prefix_len": prefix_len}
     for name, budget in (("miss", 0), ("hit", 4 << 30)):
         llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=budget)
-        system = torch.randint(0, llm.config.vocab_size, (prefix_len,), generator=gen).tolist()
+        vocab = llm.config.vocab_size
+        warm = torch.randint(0, vocab, (prefix_len + 40,), generator=torch.Generator().manual_seed(9))
+        llm.generate([warm.tolist()], one)  # first-use costs (allocator, kernels) out of the timing
+        system = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
         llm.generate([system + [11, 12, 13]], one)  # the first user of the system prompt
         question = torch.randint(0, llm.config.vocab_size, (40,), generator=gen).tolist()
         t0 = time.perf_counter()

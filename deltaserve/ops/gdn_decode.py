@@ -85,7 +85,15 @@ def gdn_decode_slots(
     qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
     eps: float, num_k_heads: int,
 ) -> torch.Tensor:
-    """Same contract as gdn_decode_slots_ref; the native kernel updates the pool rows in place."""
+    """Same contract as gdn_decode_slots_ref; the native kernel (CPU) or the Triton kernels (CUDA)
+    update the pool rows in place."""
+    if qkv.device.type == "cuda" and not env().reference_ops:
+        from deltaserve.ops import triton_gdn_decode
+
+        if triton_gdn_decode.available():
+            return triton_gdn_decode.gdn_decode_slots_cuda(
+                qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots, norm_w, eps,
+                num_k_heads)
     lib = native_lib()
     fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, conv_pool, conv_w, state_pool))
     if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:
