@@ -5,14 +5,14 @@ ops/gdn_decode.gdn_decode_slots_ref, in two kernels instead of a gather, ~12 tor
    from and written back to the sequence's slot of the conv pool.
 2. delta rule: per (sequence, value head, block of V columns) the q/k L2 norms, decay and beta, and
    the update of those columns of the recurrent matrix in place in its pool slot (fp32).
-The gated RMSNorm over each head's V outputs then runs in torch (it needs all of V).
+The gated RMSNorm over each head's V outputs then runs as one more kernel (it needs all of V).
 """
 
 from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.norm import gated_rms_norm_ref
+from deltaserve.ops.triton_norm import gated_rms_norm_cuda
 
 try:
     import triton
@@ -87,5 +87,5 @@ def gdn_decode_slots_cuda(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state
         conv, a.float().contiguous(), b.float().contiguous(), a_log.float().contiguous(),
         dt_bias.float().contiguous(), state_pool, slots, out, channels, num_heads,
         num_heads // num_k_heads, num_k_heads, K=k_dim, V=v_dim, BLOCK_V=block_v, num_warps=4)
-    o = gated_rms_norm_ref(out, z.reshape(bsz, num_heads, v_dim), norm_w, eps)
+    o = gated_rms_norm_cuda(out, z.reshape(bsz, num_heads, v_dim), norm_w, eps)
     return o.reshape(bsz, -1)

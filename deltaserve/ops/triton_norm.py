@@ -1,0 +1,56 @@
+"""RMSNorms for CUDA GPUs (Triton): one kernel per norm instead of torch's ~9 (cast, square, mean,
+add, rsqrt, two multiplies, weight offset, cast back), the bulk of a decode step's launches.
+Contracts: ops/norm.rms_norm_ref and ops/norm.gated_rms_norm_ref (tests/ops/test_triton_norm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_kernel(X, W, Z, Y, N, eps, offset, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
+        y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps) * w
+        if HAS_GATE:
+            z = tl.load(Z + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+            y = y * (z / (1.0 + tl.exp(-z)))
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """rms_norm_ref's contract: fp32 math, output in x.dtype."""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim).contiguous()
+    out = torch.empty_like(flat)
+    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), flat, out, dim, eps, offset,
+                                  HAS_GATE=False, BLOCK=triton.next_power_of_2(dim))
+    return out.reshape(x.shape)
+
+
+def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """gated_rms_norm_ref's contract: rms_norm(x) * w * silu(z) in fp32, fp32 out."""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim).contiguous()
+    gate = z.reshape(-1, dim).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), gate, out, dim, eps, 0.0,
+                                  HAS_GATE=True, BLOCK=triton.next_power_of_2(dim))
+    return out.reshape(x.shape)

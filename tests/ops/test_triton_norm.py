@@ -1,0 +1,36 @@
+"""Triton RMSNorms against the torch references (run on the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.ops import triton_norm
+from deltaserve.ops.norm import gated_rms_norm_ref, rms_norm_ref
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not triton_norm.available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "dim", "offset"), [(1, 1024, 1.0), (37, 256, 1.0), (5, 100, 0.0)])
+def test_triton_rms_norm_matches_reference(dtype, rows, dim, offset) -> None:
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, dim, device="cuda") * 3).to(dtype)
+    w = torch.randn(dim, device="cuda") * 0.1
+    out, ref = triton_norm.rms_norm_cuda(x, w, 1e-6, offset), rms_norm_ref(x, w, 1e-6, offset)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.skipif(not triton_norm.available(), reason="needs CUDA and Triton")
+def test_triton_gated_norm_matches_reference() -> None:
+    torch.manual_seed(0)
+    x, z = torch.randn(6, 16, 128, device="cuda"), torch.randn(6, 16, 128, device="cuda")
+    w = torch.rand(128, device="cuda") + 0.5
+    out, ref = triton_norm.gated_rms_norm_cuda(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
+    assert out.dtype == torch.float32 and rel(out, ref) <= 1e-6
