@@ -62,8 +62,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # [1,HQ,T,D]
         k = self.k_norm(k.reshape(1, num_tokens, self.num_kv_heads, self.head_dim))
         v = v.reshape(1, num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
+        q, k = _rotary_batch(q, k.transpose(1, 2), cos_sin)
         batch.kv.write(layer, batch.kv_blocks, batch.kv_rows, k[0].transpose(0, 1), v[0])
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
@@ -83,3 +82,14 @@ class GatedAttention(nn.Module):
             gate.reshape(1, num_tokens, -1)
         )
         return self.o_proj(out)
+
+
+def _rotary_batch(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1,HQ,T,D], k [1,HKV,T,D]; on CUDA for decode-sized steps one Triton kernel each."""
+    cos, sin = cos_sin
+    if q.is_cuda and q.shape[2] <= 512:
+        from deltaserve.ops import triton_rope
+
+        if triton_rope.available():
+            return triton_rope.apply_rotary_cuda(q, cos, sin), triton_rope.apply_rotary_cuda(k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

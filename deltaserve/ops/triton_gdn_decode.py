@@ -28,13 +28,14 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(QKV, WIN, CW, SLOTS, OUT, C, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _conv_kernel(QKV, WIN, CW, SLOTS, OUT, C, QKV_STRIDE, W: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
         slot = tl.load(SLOTS + b)
         win = WIN + slot * C * (W - 1) + cols * (W - 1)
-        x = tl.load(QKV + b * C + cols, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(QKV + b * QKV_STRIDE + cols, mask=ok, other=0.0).to(tl.float32)
         acc = x * tl.load(CW + cols * W + (W - 1), mask=ok, other=0.0)
         prev = tl.load(win, mask=ok, other=0.0).to(tl.float32)  # tap 0
         acc += prev * tl.load(CW + cols * W, mask=ok, other=0.0)
@@ -46,7 +47,7 @@ if triton is not None:
         tl.store(OUT + b * C + cols, acc / (1.0 + tl.exp(-acc)), mask=ok)
 
     @triton.jit
-    def _delta_kernel(CONV, A, B, ALOG, DTB, STATE, SLOTS, OUT, C, HV, GROUP, HK,
+    def _delta_kernel(CONV, A, B, ALOG, DTB, STATE, SLOTS, OUT, C, HV, GROUP, HK, AB_STRIDE,
                       K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr):
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kh = h // GROUP
@@ -57,10 +58,10 @@ if triton is not None:
         v = tl.load(CONV + b * C + 2 * HK * K + h * V + vs)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) / tl.sqrt(K * 1.0)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-        x = tl.load(A + b * HV + h) + tl.load(DTB + h)
+        x = tl.load(A + b * AB_STRIDE + h).to(tl.float32) + tl.load(DTB + h)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
         decay = tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus)
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(B + b * HV + h)))
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(B + b * AB_STRIDE + h).to(tl.float32)))
         slot = tl.load(SLOTS + b)
         ptrs = STATE + ((slot * HV + h) * K + ks[:, None]) * V + vs[None, :]
         s = tl.load(ptrs) * decay  # [K, BLOCK_V]
@@ -76,16 +77,20 @@ def gdn_decode_slots_cuda(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state
     bsz, channels = qkv.shape
     _, num_heads, k_dim, v_dim = state_pool.shape
     width = conv_pool.shape[-1] + 1
+    # row views of the in-projection output are read in place (unit column stride, any row stride)
+    qkv, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (qkv, a, b))
+    if a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
     conv = torch.empty(bsz, channels, dtype=torch.float32, device=qkv.device)
     block_c = 256
     _conv_kernel[(bsz, triton.cdiv(channels, block_c))](
-        qkv.contiguous(), conv_pool, conv_w.float().contiguous(), slots, conv, channels,
+        qkv, conv_pool, conv_w.float().contiguous(), slots, conv, channels, qkv.stride(0),
         W=width, BLOCK_C=block_c)
     out = torch.empty(bsz, num_heads, v_dim, dtype=torch.float32, device=qkv.device)
     block_v = 32
     _delta_kernel[(bsz, num_heads, v_dim // block_v)](
-        conv, a.float().contiguous(), b.float().contiguous(), a_log.float().contiguous(),
-        dt_bias.float().contiguous(), state_pool, slots, out, channels, num_heads,
-        num_heads // num_k_heads, num_k_heads, K=k_dim, V=v_dim, BLOCK_V=block_v, num_warps=4)
-    o = gated_rms_norm_cuda(out, z.reshape(bsz, num_heads, v_dim), norm_w, eps)
+        conv, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), state_pool, slots,
+        out, channels, num_heads, num_heads // num_k_heads, num_k_heads, a.stride(0), K=k_dim,
+        V=v_dim, BLOCK_V=block_v, num_warps=4)
+    o = gated_rms_norm_cuda(out, z, norm_w, eps)
     return o.reshape(bsz, -1)

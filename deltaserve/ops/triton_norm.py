@@ -21,7 +21,8 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_kernel(X, W, Z, Y, N, eps, offset, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_kernel(X, W, Z, Y, N, Z_STRIDE, GROUPS, eps, offset, HAS_GATE: tl.constexpr,
+                    BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -29,7 +30,9 @@ if triton is not None:
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
         y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps) * w
         if HAS_GATE:
-            z = tl.load(Z + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+            # z row r of a [rows/GROUPS, GROUPS*N] view with row stride Z_STRIDE
+            z_ptr = Z + (row // GROUPS) * Z_STRIDE + (row % GROUPS) * N + cols
+            z = tl.load(z_ptr, mask=ok, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
 
@@ -39,18 +42,25 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
     dim = x.shape[-1]
     flat = x.reshape(-1, dim).contiguous()
     out = torch.empty_like(flat)
-    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), flat, out, dim, eps, offset,
+    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), flat, out, dim, 0, 1, eps, offset,
                                   HAS_GATE=False, BLOCK=triton.next_power_of_2(dim))
     return out.reshape(x.shape)
 
 
 def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> torch.Tensor:
-    """gated_rms_norm_ref's contract: rms_norm(x) * w * silu(z) in fp32, fp32 out."""
+    """gated_rms_norm_ref's contract: rms_norm(x) * w * silu(z) in fp32, fp32 out. x [..., N];
+    z either x's shape or [R, G*N] (rows of G heads, e.g. a view of a projection's output with
+    unit column stride: read in place)."""
     dim = x.shape[-1]
     flat = x.reshape(-1, dim).contiguous()
-    gate = z.reshape(-1, dim).contiguous()
+    if z.dim() == 2 and z.stride(-1) == 1 and z.shape[-1] % dim == 0 and \
+            z.shape[0] * (z.shape[-1] // dim) == flat.shape[0]:
+        gate, groups, z_stride = z, z.shape[-1] // dim, z.stride(0)
+    else:
+        gate = z.reshape(-1, dim).contiguous()
+        groups, z_stride = 1, dim
     out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
-    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), gate, out, dim, eps, 0.0,
-                                  HAS_GATE=True, BLOCK=triton.next_power_of_2(dim))
+    _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), gate, out, dim, z_stride, groups, eps,
+                                  0.0, HAS_GATE=True, BLOCK=triton.next_power_of_2(dim))
     return out.reshape(x.shape)

@@ -27,9 +27,10 @@ def test_triton_slots_step_matches_reference(conv_dtype, heads_k, heads_v) -> No
              "triton": (conv_pool.clone(), state_pool.clone())}
     slots = torch.tensor([7, 2, 0, 5, 3], device=dev)
     for step in range(3):
-        qkv = torch.randn(bsz, channels, device=dev).to(conv_dtype)
-        z = torch.randn(bsz, heads_v * v_dim, device=dev)
-        b, a = torch.randn(bsz, heads_v, device=dev), torch.randn(bsz, heads_v, device=dev)
+        # views of one projection output, as the layer passes them (row stride > width)
+        widths = [channels, heads_v * v_dim, heads_v, heads_v, 5]
+        proj = torch.randn(bsz, sum(widths), device=dev).to(conv_dtype)
+        qkv, z, b, a, _ = torch.split(proj, widths, dim=-1)
         outs = {}
         for name, fn in (("ref", gdn_decode_slots_ref),
                          ("triton", triton_gdn_decode.gdn_decode_slots_cuda)):

@@ -34,3 +34,15 @@ def test_triton_gated_norm_matches_reference() -> None:
     w = torch.rand(128, device="cuda") + 0.5
     out, ref = triton_norm.gated_rms_norm_cuda(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
     assert out.dtype == torch.float32 and rel(out, ref) <= 1e-6
+
+
+@pytest.mark.skipif(not triton_norm.available(), reason="needs CUDA and Triton")
+def test_triton_gated_norm_reads_a_strided_gate_view() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(6, 16, 128, device="cuda")
+    proj = torch.randn(6, 16 * 128 + 40, device="cuda")
+    z = proj[:, 3 : 3 + 16 * 128]  # row stride 2088, unit column stride
+    w = torch.rand(128, device="cuda") + 0.5
+    out = triton_norm.gated_rms_norm_cuda(x, z, w, 1e-6)
+    ref = gated_rms_norm_ref(x, z.reshape(6, 16, 128), w, 1e-6)
+    assert rel(out, ref) <= 1e-6
