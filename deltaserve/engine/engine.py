@@ -13,7 +13,7 @@ import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.runner import ModelRunner, StepLogits
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.stopping import StopChecker
@@ -100,16 +100,20 @@ class Engine:
         self.num_steps += 1
         return [self._emit(rid, token) for rid, token in sampled.items()]
 
-    def _sample(self, logits: dict[str, torch.Tensor]) -> dict[str, int]:
-        """Greedy rows in one argmax and one device-to-host copy; sampled rows one by one."""
+    def _sample(self, logits: StepLogits) -> dict[str, int]:
+        """Greedy rows: one argmax over the step's logits and one device-to-host copy; sampled
+        rows one by one with their own generators."""
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
         out = {}
         if greedy:
-            tokens = torch.stack([logits[rid] for rid in greedy]).argmax(-1).tolist()
-            out = dict(zip(greedy, tokens, strict=True))
-        for rid, lg in logits.items():
+            rows = [logits.rows[rid] for rid in greedy]
+            table = logits.tensor
+            if rows != list(range(table.shape[0])):
+                table = table[torch.tensor(rows, device=table.device)]
+            out = dict(zip(greedy, table.argmax(-1).tolist(), strict=True))
+        for rid in logits:
             if rid not in out:
-                out[rid] = sample(lg, self._live[rid].params, self._live[rid].gen)
+                out[rid] = sample(logits[rid], self._live[rid].params, self._live[rid].gen)
         return {rid: out[rid] for rid in logits}
 
     def _emit(self, rid: str, token: int) -> StepOutput:

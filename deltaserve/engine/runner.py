@@ -3,12 +3,31 @@ prefix snapshots the forward captured, and returns the logits of the chunks that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.env import env
+
+
+class StepLogits(Mapping[str, torch.Tensor]):
+    """Request id -> next-token logits [vocab], over one [rows, vocab] tensor (so the sampler
+    can take every greedy row's argmax in one op, without stacking copies of the rows)."""
+
+    def __init__(self, logits: torch.Tensor, rows: dict[str, int]) -> None:
+        self.tensor, self.rows = logits, rows
+
+    def __getitem__(self, rid: str) -> torch.Tensor:
+        return self.tensor[self.rows[rid]]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 class ModelRunner:
@@ -20,7 +39,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block)
 
-    def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> StepLogits:
         """all_ids: every planned request's known tokens (prefix keys are hashes of them).
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
         decodes = all(len(c.token_ids) == 1 for c in plan.chunks)
@@ -29,7 +48,8 @@ class ModelRunner:
                                      [c.slot for c in plan.chunks],
                                      [c.start_pos for c in plan.chunks],
                                      [self.cache.block_table(c.request_id) for c in plan.chunks])
-            return {c.request_id: logits[i] for i, c in enumerate(plan.chunks) if c.sample}
+            return StepLogits(logits, {c.request_id: i for i, c in enumerate(plan.chunks)
+                                       if c.sample})
         chunks, ids = [], []
         for c in plan.chunks:
             snap_at = ()
@@ -46,4 +66,4 @@ class ModelRunner:
             if snaps:
                 rid = plan.chunks[i].request_id
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
-        return {c.request_id: logits[i] for i, c in enumerate(plan.chunks) if c.sample}
+        return StepLogits(logits, {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample})
