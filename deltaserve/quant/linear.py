@@ -21,6 +21,12 @@ from deltaserve.ops import triton_qgemv
 from deltaserve.ops.qgemv import dequantize_into, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
+# CPU: up to this many rows (a decode batch) each row takes the packed-code GEMV; above it the weight
+# is dequantized once and the fp32 GEMM runs. Measured on the 0.8B int8 shapes (2 threads): the
+# vocabulary head 8 rows 114 ms vs 658 ms, 16 rows 340 vs 621, 32 rows 515 vs 544; the 7168-row
+# gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (BENCHMARKS.md, issue 5).
+CPU_GEMV_MAX_ROWS = 16
+
 
 def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
     """Swap `module.weight` [N, K] for packed parameters of `scheme` (shapes only; on meta)."""
@@ -77,7 +83,8 @@ def decode_gemv(x: torch.Tensor, scheme):
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
     rows = x.numel() // x.shape[-1]
-    gemv = decode_gemv(x, module.scheme) if rows < WIDEN_MIN_ROWS else None
+    max_rows = CPU_GEMV_MAX_ROWS if x.device.type == "cpu" else WIDEN_MIN_ROWS - 1
+    gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))
     flat = x.reshape(rows, x.shape[-1]).float()  # the GEMVs take fp32 x, give fp32 y

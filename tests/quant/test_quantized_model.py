@@ -19,7 +19,7 @@ from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.cli import main
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.quant.convert import quantize_checkpoint
-from deltaserve.quant.linear import embed
+from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS, embed
 from deltaserve.quant.loading import quant_block, scheme_from
 from deltaserve.quant.schemes import dequantize
 
@@ -66,8 +66,11 @@ def test_quantized_file_is_smaller_and_marks_its_format(pair) -> None:
 
 def test_quantized_execution_equals_the_dequantized_model(pair) -> None:
     _, _, quant, ref = pair
-    ids = torch.tensor([quant.tokenizer.encode(PROMPT)])
-    lq = quant.model(ids, quant.model.new_state(), all_logits=True)  # prefill path
+    # more rows than CPU_GEMV_MAX_ROWS: the prefill path (dequantize once, fp32 GEMM); fewer rows
+    # take the packed GEMV, whose int8 path quantizes activations (checked in tests/ops)
+    ids = torch.tensor([quant.tokenizer.encode(PROMPT * 3)])
+    assert ids.shape[1] > CPU_GEMV_MAX_ROWS
+    lq = quant.model(ids, quant.model.new_state(), all_logits=True)
     lr = ref.model(ids, ref.model.new_state(), all_logits=True)
     assert ((lq - lr).norm() / lr.norm()).item() <= 1e-5
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # decode GEMV path
