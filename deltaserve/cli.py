@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,9 @@ def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None
     p.add_argument("--dtype", choices=DTYPES, default=dtype_default, help="weight dtype")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--gpu-backend", choices=["auto", "triton", "portable"], default=None,
+                   help="CUDA kernels: triton (sm_80+) or portable torch/cuBLAS (default: auto; "
+                   "same as DELTASERVE_GPU_BACKEND)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -120,6 +124,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "gpu_backend", None):  # the env knob is the one place engines read it from
+        os.environ["DELTASERVE_GPU_BACKEND"] = args.gpu_backend
     try:
         if args.command == "generate":
             from deltaserve.cli_generate import run_generate

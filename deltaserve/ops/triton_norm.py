@@ -15,7 +15,10 @@ except ImportError:  # CPU-only installs
 
 
 def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
+    """Triton importable, a CUDA GPU, and the triton backend selected (ops/backend.py)."""
+    from deltaserve.ops.backend import triton_enabled
+
+    return triton is not None and triton_enabled()
 
 
 if triton is not None:

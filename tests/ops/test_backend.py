@@ -1,0 +1,61 @@
+"""GPU backend selection (no GPU needed: the device queries are stubbed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.env import env
+from deltaserve.errors import ConfigError
+from deltaserve.ops import backend
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake CUDA GPU of a chosen compute capability, triton importable or not."""
+    state = {"capability": (9, 0), "triton": True}
+    monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "_capability", lambda: state["capability"])
+    monkeypatch.setattr(backend, "_triton_importable", lambda: state["triton"])
+    backend._resolve.cache_clear()
+    yield state
+    backend._resolve.cache_clear()
+
+
+def choose(monkeypatch, value: str | None) -> str:
+    if value is None:
+        monkeypatch.delenv("DELTASERVE_GPU_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("DELTASERVE_GPU_BACKEND", value)
+    env.cache_clear()
+    backend._resolve.cache_clear()
+    return backend.gpu_backend()
+
+
+def test_auto_picks_triton_from_sm80_and_portable_below(gpu, monkeypatch) -> None:
+    assert choose(monkeypatch, None) == "triton"
+    gpu["capability"] = (7, 5)
+    assert choose(monkeypatch, "auto") == "portable"
+    gpu["capability"], gpu["triton"] = (9, 0), False
+    assert choose(monkeypatch, "auto") == "portable"
+
+
+def test_portable_can_be_forced_on_a_new_gpu(gpu, monkeypatch) -> None:
+    assert choose(monkeypatch, "portable") == "portable"
+    assert not backend.triton_enabled()
+
+
+def test_triton_on_an_old_gpu_is_a_clear_error(gpu, monkeypatch) -> None:
+    gpu["capability"] = (6, 1)
+    with pytest.raises(ConfigError, match="sm_61.*portable"):
+        choose(monkeypatch, "triton")
+
+
+def test_unknown_backend_is_a_clear_error(gpu, monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="auto, triton, portable"):
+        choose(monkeypatch, "vulkan")
+
+
+def test_without_cuda_everything_is_portable(monkeypatch) -> None:
+    monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: False)
+    assert choose(monkeypatch, "triton") == "portable"
+    backend._resolve.cache_clear()
