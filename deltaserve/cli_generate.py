@@ -36,14 +36,15 @@ def _params(llm: LLM, args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _footer(metrics: dict[str, float]) -> None:
+def _footer(metrics: dict[str, float], llm=None) -> None:
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    report = getattr(getattr(llm, "_engine", None), "memory_report", None)
     print(
         "==========\n"
         f"Prompt: {int(metrics['num_prompt_tokens'])} tokens, {metrics['prefill_tok_s']:.3f} tokens-per-sec\n"
         f"Generation: {int(metrics['num_generated_tokens'])} tokens, "
         f"{metrics['decode_tok_s']:.3f} tokens-per-sec\n"
-        f"Peak memory: {peak_gb:.3f} GB",
+        f"Peak memory: {peak_gb:.3f} GB" + (f"\n{report.summary()}" if report else ""),
         file=sys.stderr,
     )
 
@@ -64,14 +65,14 @@ def run_generate(args: argparse.Namespace) -> int:
             "timings": out.metrics,
         }
         print(json.dumps(record, ensure_ascii=False))
-        _footer(out.metrics)
+        _footer(out.metrics, llm)
         return 0
     metrics: dict[str, float] = {}
     for event in llm.stream(prompt, params, metrics):
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    _footer(metrics)
+    _footer(metrics, llm)
     return 0
 
 

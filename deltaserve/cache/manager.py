@@ -125,12 +125,3 @@ class CacheManager:
             "prefix_bytes": self.prefix.nbytes if self.prefix else 0,
             "prefix_entries": len(self.prefix.entries) if self.prefix else 0,
         }
-
-
-def pool_bytes(model, config: CacheConfig) -> int:
-    """Bytes the pools of `config` allocate for `model` (before building them)."""
-    probe = CacheConfig(1, 1, config.block_len, config.prefix_granularity, 0)
-    m = CacheManager(model, probe, "")
-    return (config.num_slots * m.states.bytes_per_slot()
-            + config.num_blocks * m.kv.bytes_per_block())
-

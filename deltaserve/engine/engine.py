@@ -60,6 +60,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache)
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
+        self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         budget = self.max_model_len - len(prompt_ids)

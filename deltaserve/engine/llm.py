@@ -216,18 +216,18 @@ def _finish_metrics(m: dict[str, float]) -> None:
 
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int, kv_cache_bytes: int) -> Engine:
-    """Pools sized for the model: every slot can reach max_model_len until the KV budget binds
-    (then at least one sequence of max_model_len fits). Memory is touched only when used."""
-    from deltaserve.cache.manager import CacheConfig, pool_bytes
+    """Pools sized for the model and the device's free memory (cache/memory.plan)."""
+    from deltaserve.cache.manager import CacheConfig
+    from deltaserve.cache.memory import plan
     from deltaserve.checkpoint.fingerprint import model_fingerprint
 
-    block_len = 64
-    per_seq = -(-llm.max_model_len // block_len)
-    probe = pool_bytes(llm.model, CacheConfig(0, 1, block_len, 64, 0))
-    num_blocks = max(per_seq, min(per_seq * max_num_seqs, kv_cache_bytes // max(probe, 1)))
-    cache = CacheConfig(max_num_seqs, num_blocks, block_len, 64, prefix_cache_bytes)
+    num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
+                              max_num_batched_tokens)
+    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens)
     fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}")
-    return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
-                  EngineConfig(sched, cache), fingerprint)
+    engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
+                    EngineConfig(sched, cache), fingerprint)
+    engine.memory_report = report
+    return engine

@@ -1,0 +1,123 @@
+"""Load-time memory plan: what the weights take, what one sequence's state and one token of KV
+cost, how many tokens the KV pool holds, and the headroom left; and the fits-check that refuses a
+configuration with the largest context that does fit instead of running out of memory later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve.errors import CapacityError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    device: str
+    weights_bytes: int
+    state_bytes_per_seq: int  # GDN conv windows + recurrent matrices, every layer
+    kv_bytes_per_token: int  # K and V of every attention layer
+    num_slots: int
+    kv_capacity_tokens: int
+    pool_bytes: int  # state slots + KV blocks
+    scratch_bytes: int  # activations / dequantized weights of one step (estimate)
+    available_bytes: int  # free device memory (CPU: MemAvailable) when the pools are planned
+    headroom_bytes: int
+
+    def summary(self) -> str:
+        return (f"memory ({self.device}): weights {self.weights_bytes / GiB:.2f} GiB, state "
+                f"{self.state_bytes_per_seq / 2**20:.1f} MiB/sequence x {self.num_slots} slots, KV "
+                f"{self.kv_capacity_tokens:,} tokens ({self.kv_bytes_per_token / 1024:.1f} KiB/token), "
+                f"pools {self.pool_bytes / GiB:.2f} GiB, scratch {self.scratch_bytes / GiB:.2f} GiB, "
+                f"headroom {self.headroom_bytes / GiB:.2f} GiB")
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not refuse
+
+
+def fit_blocks(per_slot: int, per_block: int, block_len: int, num_slots: int, want_blocks: int,
+               min_blocks: int, scratch: int, available: int) -> int:
+    """KV blocks to allocate: `want_blocks` if they fit beside the slots and scratch, else as many
+    as fit, but never fewer than `min_blocks` (one max_model_len sequence): then refuse, naming
+    the largest context that fits."""
+    free = available - scratch - num_slots * per_slot
+    fits = max(0, free // max(per_block, 1))
+    if fits >= want_blocks:
+        return want_blocks
+    if fits >= min_blocks:
+        return fits
+    largest = fits * block_len
+    raise CapacityError(
+        f"the KV cache for a {min_blocks * block_len:,}-token context does not fit: "
+        f"{available / GiB:.2f} GiB free, {num_slots} state slots take "
+        f"{num_slots * per_slot / GiB:.2f} GiB and scratch {scratch / GiB:.2f} GiB; the largest "
+        f"context that fits is {largest:,} tokens (pass --max-model-len {largest}, or fewer "
+        f"--max-num-seqs)" if largest > 0 else
+        f"not even one sequence's state fits: {available / GiB:.2f} GiB free, {num_slots} state "
+        f"slots need {num_slots * per_slot / GiB:.2f} GiB (pass fewer --max-num-seqs)"
+    )
+
+
+def weights_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def scratch_estimate(model, max_batched_tokens: int) -> int:
+    """One step's transient memory, roughly: the widest activations (vocab logits of the step's
+    sampling rows aside) times the tokens in a step, and one dequantized/widened fp32 weight."""
+    cfg = model.cfg
+    widest = max(cfg.intermediate_size * 2, cfg.hidden_size * 8)
+    activations = max_batched_tokens * widest * 4 * 4
+    largest_weight = max((p.numel() for p in model.parameters()), default=0)
+    return activations + min(largest_weight * 4, 64 * 2**20 * 4)
+
+
+def unit_bytes(model, block_len: int) -> tuple[int, int]:
+    """(bytes of one state slot, bytes of one KV block) for `model`'s layers and dtypes."""
+    from deltaserve.config import FULL
+
+    cfg, act = model.cfg, torch.empty((), dtype=model.act_dtype).element_size()
+    per_slot = per_block = 0
+    for layer_type in cfg.layer_types:
+        if layer_type == FULL:
+            per_block += 2 * cfg.num_key_value_heads * block_len * cfg.head_dim * act
+        else:
+            per_slot += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * act
+            per_slot += (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                         * cfg.linear_value_head_dim * 4)
+    return per_slot, per_block
+
+
+def plan(model, max_model_len: int, num_slots: int, kv_cache_bytes: int, block_len: int,
+         max_batched_tokens: int) -> tuple[int, MemoryReport]:
+    """KV blocks for the pools, and the report. Every slot may reach max_model_len until
+    kv_cache_bytes binds; at least one max_model_len sequence always. On CUDA (memory allocated
+    up front) the blocks are cut to what fits, or refused below one sequence; CPU pools are
+    touched only as used, so there the report is advice."""
+    device = model.device
+    per_slot, per_block = unit_bytes(model, block_len)
+    per_seq = -(-max_model_len // block_len)
+    want = max(per_seq, min(per_seq * num_slots, kv_cache_bytes // max(per_block, 1)))
+    scratch = scratch_estimate(model, max_batched_tokens)
+    avail = available_bytes(device)
+    blocks = want
+    if device.type == "cuda":
+        blocks = fit_blocks(per_slot, per_block, block_len, num_slots, want, per_seq, scratch, avail)
+    pools = num_slots * per_slot + blocks * per_block
+    report = MemoryReport(str(device), weights_bytes(model), per_slot, per_block // block_len,
+                          num_slots, blocks * block_len, pools, scratch, avail,
+                          avail - pools - scratch)
+    return blocks, report
