@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="prefill/decode tokens/s, ours and transformers in one run"
     )
     _model_args(bench, dtype_default="bfloat16")
-    bench.add_argument("--prefill-lens", default="512,2048")
+    bench.add_argument("--prefill-lens", default=None,
+                       help="default 512,2048 on CPU; 2048,5120,8192,10240,32768 on GPU")
     bench.add_argument("--decode-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--peer", choices=["transformers", "none"], default="transformers")
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e.g. 1,8,32,64,128: aggregate and per-sequence decode tok/s instead")
     bench.add_argument("--shared-prefix", type=int, default=0,
                        help="N: time to first token behind an N-token cached system prompt, hit vs miss")
+    bench.add_argument("--formats", default="bf16,int8,int4",
+                       help="GPU: formats to measure (int8/int4 quantized on the fly)")
+    bench.add_argument("--start-temp", type=float, default=60.0,
+                       help="GPU: wait until the GPU is this cool (C) before each measurement")
+    bench.add_argument("--stop-temp", type=float, default=85.0,
+                       help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")

@@ -13,6 +13,8 @@ from pathlib import Path
 from deltaserve.bench.record import checkpoint_fingerprint, device_info, flags, git_commit
 from deltaserve.errors import DeltaserveError
 
+GPU_TIERS = "2048,5120,8192,10240,32768"
+
 
 def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
     batch, shared = getattr(args, "batch", None), getattr(args, "shared_prefix", 0)
@@ -46,9 +48,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.default import default_model_dir
     from deltaserve.checkpoint.hub import resolve_model_dir
 
-    if args.device != "cpu":
-        raise DeltaserveError("this benchmark measures the CPU path; GPU benchmarks are separate")
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    if getattr(args, "prefill_lens", None) is None:
+        args.prefill_lens = "512,2048" if args.device == "cpu" else GPU_TIERS
+    if args.device != "cpu":
+        return _gpu(args, model_dir)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     args.dtype = dtype
     print(
@@ -90,16 +94,39 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu(args: argparse.Namespace, model_dir: Path) -> int:
+    import torch
+
+    from deltaserve.bench.gpu import run_gpu_bench
+
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        raise DeltaserveError(f"--device {args.device}: no CUDA GPU here (the benchmark runs on cpu "
+                              "or cuda)")
+    record = {"kind": "gpu-bench", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "git_commit": git_commit(), "model_dir": str(model_dir),
+              "checkpoint_fingerprint": checkpoint_fingerprint(model_dir),
+              "device": device_info(args.device), "flags": flags(),
+              "workload": {"prefill_lens": args.prefill_lens, "decode_tokens": args.decode_tokens,
+                           "decode_prompt_len": 16, "formats": args.formats, "eos": "ignored"}}
+    run_gpu_bench(args, model_dir, record)
+    _print_table(record["engines"])
+    text = json.dumps(record, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def _print_table(engines: dict[str, dict]) -> None:
-    keys = [k for k in next(iter(engines.values())) if k.endswith(("tok_s", "_gb", "_s", "up"))]
-    print(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines), file=sys.stderr)
+    suffixes = ("tok_s", "_gb", "_s", "up", "_pct")
+    keys = [k for k in next(iter(engines.values())) if k.endswith(suffixes)]
+    print(f"{'metric':<22}" + "".join(f"{e:>18}" for e in engines), file=sys.stderr)
     for k in keys:
-        print(
-            f"{k:<22}" + "".join(f"{engines[e].get(k, float('nan')):>16.2f}" for e in engines),
-            file=sys.stderr,
-        )
-    if "transformers" in engines:
+        cells = [engines[e].get(k) for e in engines]
+        print(f"{k:<22}" + "".join(f"{c:>18.2f}" if isinstance(c, int | float) else f"{'-':>18}"
+                                   for c in cells), file=sys.stderr)
+    if "transformers" in engines and "deltaserve" in engines:
         for k in keys:
-            if k.endswith("tok_s"):
-                ratio = engines["deltaserve"][k] / engines["transformers"][k]
-                print(f"speed-up {k}: {ratio:.2f}x", file=sys.stderr)
+            ours, peer = engines["deltaserve"].get(k), engines["transformers"].get(k)
+            if k.endswith("tok_s") and ours and peer:
+                print(f"speed-up {k}: {ours / peer:.2f}x", file=sys.stderr)

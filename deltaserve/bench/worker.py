@@ -117,6 +117,118 @@ def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_
 
 
 def _transformers(
+    model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repeats: int,
+    device: str = "cpu",
+) -> dict:
+    import transformers
+
+    from deltaserve.validate.reference import load_reference
+
+    model = load_reference(model_dir, DTYPES[dtype]).to(device)
+    vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {"version": transformers.__version__}
+    with torch.inference_mode():
+        for n in lens:
+            ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+
+            def prefill(ids=ids) -> None:
+                model(ids, logits_to_keep=1)
+                sync()
+
+            out[f"prefill_{n}_tok_s"] = n / _median_s(prefill, repeats)
+
+        def decode() -> None:
+            res = model(torch.randint(0, vocab, (1, 16), generator=gen).to(device), use_cache=True,
+                        logits_to_keep=1)
+            past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(decode_tokens - 1):  # greedy with its cache, EOS ignored: its best case
+                res = model(token, past_key_values=past, use_cache=True)
+                past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
+
+        def prefill16() -> None:
+            model(torch.randint(0, vocab, (1, 16)).to(device), logits_to_keep=1)
+            sync()
+
+        t_prefill16 = _median_s(prefill16, 1)
+        total = _median_s(decode, max(1, repeats - 1))
+        out["decode_tok_s"] = (decode_tokens - 1) / max(total - t_prefill16, 1e-9)
+    return out
+
+
+def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int,
+                device: str = "cpu") -> dict:
+    """Aggregate decode tok/s with B sequences decoding together (16-token random prompts, EOS
+    ignored): timed from the step after every sequence has its first token to the last token."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling import SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=0,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, 16 * max(batches)))
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    engine = llm.engine
+    for b in batches:
+        rounds = ("timed",) if device == "cpu" else ("warm-up", "timed")
+        for rnd in rounds:  # a GPU warm-up round captures this batch's CUDA graphs
+            for i in range(b):
+                ids = torch.randint(0, llm.config.vocab_size, (16,), generator=gen).tolist()
+                engine.add_request(f"{rnd}-b{b}-{i}", ids, params)
+            engine.step()  # all prompts in one step (the budget covers them): every first token
+            t0, produced = time.perf_counter(), 0
+            while engine.has_work:
+                produced += len(engine.step())
+            dt = time.perf_counter() - t0
+        out[f"batch_{b}_decode_tok_s"] = produced / dt
+        out[f"batch_{b}_per_seq_tok_s"] = produced / dt / b
+    if engine.runner.graphs is not None:  # GPU time of one decode step alone, per graph
+        out["graph_replay_ms"] = _replay_ms(engine.runner.graphs.graphs)
+    return out
+
+
+def _replay_ms(graphs: dict) -> dict[str, float]:
+    """Per captured (batch, KV width) graph: ms per replay, back to back (no host work between):
+    the step's device time, to set against the measured step time (the rest is host work)."""
+    out = {}
+    for (bsz, width), (graph, _, _) in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[f"b{bsz}_w{width}"] = (time.perf_counter() - t0) / 20 * 1e3
+    return out
+
+
+def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int,
+                        device: str = "cpu") -> dict:
+    from deltaserve.validate.reference import load_reference
+
+    model = load_reference(model_dir, DTYPES[dtype]).to(device)
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.randint(0, model.config.vocab_size, (b, 16), generator=gen).to(device)
+            res = model(ids, use_cache=True, logits_to_keep=1)
+            past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens - 1):
+                res = model(token, past_key_values=past, use_cache=True)
+                past, token = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            out[f"batch_{b}_decode_tok_s"] = b * (decode_tokens - 1) / dt
+            out[f"batch_{b}_per_seq_tok_s"] = (decode_tokens - 1) / dt
+    return out
+
+
+def _transformers(
     model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repeats: int
 ) -> dict:
     import transformers
