@@ -14,7 +14,7 @@ import torch
 from deltaserve.cache.manager import CacheConfig, CacheManager
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.runner import ModelRunner, StepLogits
-from deltaserve.engine.sampling import SamplingParams, make_generator, sample
+from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.stopping import StopChecker
 from deltaserve.errors import RequestError
@@ -102,8 +102,8 @@ class Engine:
         return [self._emit(rid, token) for rid, token in sampled.items()]
 
     def _sample(self, logits: StepLogits) -> dict[str, int]:
-        """Greedy rows: one argmax over the step's logits and one device-to-host copy; sampled
-        rows one by one with their own generators."""
+        """Greedy rows: one argmax over the step's logits; sampled rows: the filters on all rows
+        together, one draw each from its own generator; one device-to-host copy per kind."""
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
         out = {}
         if greedy:
@@ -112,9 +112,12 @@ class Engine:
             if rows != list(range(table.shape[0])):
                 table = table[torch.tensor(rows, device=table.device)]
             out = dict(zip(greedy, table.argmax(-1).tolist(), strict=True))
-        for rid in logits:
-            if rid not in out:
-                out[rid] = sample(logits[rid], self._live[rid].params, self._live[rid].gen)
+        rest = [rid for rid in logits if rid not in out]
+        if rest:
+            rows = torch.stack([logits[rid] for rid in rest])
+            tokens = sample_rows(rows, [self._live[r].params for r in rest],
+                                 [self._live[r].gen for r in rest])
+            out.update(zip(rest, tokens, strict=True))
         return {rid: out[rid] for rid in logits}
 
     def _emit(self, rid: str, token: int) -> StepOutput:

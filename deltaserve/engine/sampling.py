@@ -78,3 +78,36 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                gens: list[torch.Generator | None]) -> list[int]:
+    """sample() for every row of logits [R, vocab] at once: the filters run on all rows together
+    (row-wise ops, so each row gets exactly sample()'s numbers), each row draws from its own
+    generator, and the tokens come back in one device-to-host copy instead of one per row."""
+    if any(p.greedy for p in params):
+        raise ValueError("sample_rows takes sampling rows only; greedy rows are one argmax")
+    device = logits.device
+    col = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)[:, None]  # noqa: E731
+    x = logits.float() / col([p.temperature for p in params])
+    ks = [p.top_k if 0 < p.top_k < x.shape[-1] else 0 for p in params]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values[torch.arange(len(ks), device=device),
+                                                    torch.tensor([max(k, 1) - 1 for k in ks],
+                                                                 device=device)]
+        cut = (x < kth[:, None]) & (col(ks) > 0)
+        x = x.masked_fill(cut, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        low = probs < col(min_ps) * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(low & (col(min_ps) > 0), 0.0)
+    top_ps = [p.top_p for p in params]
+    if any(t < 1 for t in top_ps):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > col(top_ps)
+        nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = torch.where(col(top_ps) < 1, nucleus, probs)
+    draws = [torch.multinomial(probs[i] / probs[i].sum(), 1, generator=gens[i])
+             for i in range(len(params))]
+    return torch.cat(draws).tolist()

@@ -87,3 +87,23 @@ def test_stop_ids_and_eos() -> None:
     assert checker.token_stop(3) is None
     ignoring = StopChecker(SamplingParams(ignore_eos=True), frozenset({2}))
     assert ignoring.token_stop(2) is None
+
+
+def test_batched_rows_draw_exactly_what_one_row_at_a_time_draws() -> None:
+    """Mixed filters per row, each row seeded: sample_rows equals sample() row by row."""
+    from deltaserve.engine.sampling import make_generator, sample, sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500) * 3
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=3),
+              SamplingParams(temperature=0.9, min_p=0.05, seed=4),
+              SamplingParams(temperature=1.1, top_k=40, top_p=0.9, min_p=0.01, seed=5),
+              SamplingParams(temperature=2.0, top_k=1, seed=6)]
+    for _ in range(20):  # the generators advance identically on both sides
+        gens_a = [make_generator(p, torch.device("cpu")) for p in params]
+        gens_b = [make_generator(p, torch.device("cpu")) for p in params]
+        one_by_one = [sample(logits[i], p, gens_a[i]) for i, p in enumerate(params)]
+        assert sample_rows(logits, params, gens_b) == one_by_one
+        assert one_by_one[5] == int(logits[5].argmax())  # top_k=1 is the argmax
+        logits = torch.randn(6, 500) * 3
