@@ -20,8 +20,9 @@ def _bucket(n: int, buckets) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, spare_slot: int, spare_block: int) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, spare_slot: int, spare_block: int,
+                 greedy: bool = False) -> None:
+        self.model, self.cache, self.greedy = model, cache, greedy
         self.spare_slot, self.spare_block = spare_slot, spare_block
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -31,7 +32,8 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], slots: list[int], positions: list[int],
             tables: list[tuple[int, ...]]) -> torch.Tensor:
-        """Logits [len(ids), vocab] fp32 of one all-decode step (a view of a static buffer)."""
+        """Logits [len(ids), vocab] fp32 of one all-decode step, or its tokens [len(ids)] with the
+        greedy head (a view of a static buffer)."""
         num = len(ids)
         bsz = _bucket(num, BATCH_BUCKETS)
         width = 1 << max(2, (max(len(t) for t in tables) - 1).bit_length())
@@ -87,10 +89,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
             for _ in range(2):
-                self.model.forward_batch(static["ids"], self._batch(static, bsz, width))
+                self.model.forward_batch(static["ids"], self._batch(static, bsz, width),
+                                         greedy=self.greedy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             # the mask is computed inside the graph from the static lengths
-            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz, width))
+            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz, width),
+                                              greedy=self.greedy)
         return graph, static, logits

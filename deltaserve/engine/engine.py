@@ -25,6 +25,9 @@ from deltaserve.tokenizer import StreamDecoder
 class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    # greedy-only contract: the head yields argmax tokens, logits never exist; a request that
+    # samples (or, later, asks for logprobs) is refused before any state changes
+    greedy_head: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +60,15 @@ class Engine:
         self.max_model_len, self.config = max_model_len, config
         self.cache = CacheManager(model, config.cache, fingerprint)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, config.greedy_head)
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self.config.greedy_head and not params.greedy:
+            raise RequestError("this engine runs the greedy-only head (no logits are computed): "
+                               f"temperature must be 0, got {params.temperature}")
         budget = self.max_model_len - len(prompt_ids)
         if budget < 1:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context limit is "
@@ -104,6 +110,9 @@ class Engine:
     def _sample(self, logits: StepLogits) -> dict[str, int]:
         """Greedy rows: one argmax over the step's logits; sampled rows: the filters on all rows
         together, one draw each from its own generator; one device-to-host copy per kind."""
+        if logits.are_tokens:  # the greedy head already chose
+            tokens = logits.tensor.tolist()
+            return {rid: tokens[row] for rid, row in logits.rows.items()}
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
         out = {}
         if greedy:

@@ -36,6 +36,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         prefix_cache_bytes: int = 1 << 30,
         kv_cache_bytes: int = 4 << 30,
+        greedy_head: bool = False,
     ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
@@ -60,7 +61,8 @@ class LLM:
         self.max_model_len = max_model_len or limit
         self.generation_config = self._generation_config()
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes)
+                                prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes,
+                                greedy_head=greedy_head)
         self._engine: Engine | None = None
 
     @property
@@ -215,7 +217,7 @@ def _finish_metrics(m: dict[str, float]) -> None:
 
 
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache_bytes: int, kv_cache_bytes: int) -> Engine:
+                 prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False) -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
@@ -228,6 +230,6 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                             max_prefill_chunk=max_num_batched_tokens)
     fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}")
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
-                    EngineConfig(sched, cache), fingerprint)
+                    EngineConfig(sched, cache, greedy_head), fingerprint)
     engine.memory_report = report
     return engine

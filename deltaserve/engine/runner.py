@@ -19,6 +19,7 @@ class StepLogits(Mapping[str, torch.Tensor]):
 
     def __init__(self, logits: torch.Tensor, rows: dict[str, int]) -> None:
         self.tensor, self.rows = logits, rows
+        self.are_tokens = logits.dtype == torch.int64  # the greedy head's output: [rows] tokens
 
     def __getitem__(self, rid: str) -> torch.Tensor:
         return self.tensor[self.rows[rid]]
@@ -31,13 +32,14 @@ class StepLogits(Mapping[str, torch.Tensor]):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: CacheManager, greedy_head: bool = False) -> None:
+        self.model, self.cache, self.greedy_head = model, cache, greedy_head
         self.graphs = None
         if model.device.type == "cuda" and env().cuda_graphs:
             from deltaserve.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block)
+            self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block,
+                                       greedy_head)
 
     def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> StepLogits:
         """all_ids: every planned request's known tokens (prefix keys are hashes of them).
@@ -61,7 +63,8 @@ class ModelRunner:
             ids.extend(c.token_ids)
         device = self.model.device
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
-        logits = self.model.forward_batch(torch.tensor(ids, device=device), batch)
+        logits = self.model.forward_batch(torch.tensor(ids, device=device), batch,
+                                          greedy=self.greedy_head)
         for i, snaps in batch.snapshots.items():
             if snaps:
                 rid = plan.chunks[i].request_id

@@ -14,6 +14,7 @@ from deltaserve.layers.linear import Linear, linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
+from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
 
@@ -115,10 +116,12 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(
-        self, input_ids: torch.Tensor, batch: StepBatch, all_logits: bool = False
+        self, input_ids: torch.Tensor, batch: StepBatch, all_logits: bool = False,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """input_ids [T]: the step's chunks back to back (batch says whose). Logits fp32 of each
-        chunk's last token [num_chunks, vocab], or of every token [T, vocab] if all_logits."""
+        chunk's last token [num_chunks, vocab], or of every token [T, vocab] if all_logits; with
+        greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised)."""
         x = embed(self.model.embed_tokens, input_ids[None]).to(self.act_dtype)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         for idx, layer in enumerate(self.model.layers):
@@ -126,4 +129,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = x[0] if all_logits or not batch.prefill else x[0, batch.last_rows()]
         h = self.model.norm(h)
         head = self.head
+        if greedy:
+            return greedy_tokens(h, head)
         return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()

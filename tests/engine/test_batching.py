@@ -290,3 +290,20 @@ def test_snapshots_of_another_dtype_are_refused(tiny_llm, tiny_bf16, tmp_path) -
     with pytest.raises(CheckpointError, match="refused"):
         tiny_bf16.engine.import_prefix_cache(path)
     assert tiny_bf16.engine.cache.usage() == before
+
+
+def test_greedy_head_engine_matches_and_refuses_sampling(tiny_llm) -> None:
+    """The greedy-only head: same tokens as the logits path; a sampling request is refused
+    before anything changes."""
+    cfg = EngineConfig(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96,
+                                       max_prefill_chunk=96), CacheConfig(4, 64, 16, 64, 0), True)
+    greedy = Engine(tiny_llm.model, tiny_llm.tokenizer, tiny_llm.eos_token_ids,
+                    tiny_llm.max_model_len, cfg, "test")
+    prompts = prompts_of([5, 70, 33], seed=23)
+    assert run_all(greedy, prompts) == run_all(make_engine(tiny_llm, prefix_bytes=0), prompts)
+    from deltaserve.errors import RequestError
+
+    before = greedy.cache.usage()
+    with pytest.raises(RequestError, match="greedy-only"):
+        greedy.add_request("s", [1, 2, 3], SamplingParams(temperature=0.8, max_tokens=4))
+    assert greedy.cache.usage() == before and not greedy.has_work

@@ -1,0 +1,47 @@
+"""Greedy decoding without materialising the logits: the head runs over the vocabulary in tiles
+and keeps each row's running maximum and its index (first index on ties, as torch.argmax).
+
+A [rows, vocab] fp32 logits tensor is 1 MB per row for Qwen3.5's 248,320 tokens (128 MB at batch
+128); tiles of TILE_ROWS head rows keep it to [rows, TILE_ROWS]. Each tile is computed by the same
+kernels, on the same rows, as the whole head (tile edges are multiples of 64, so no row moves
+between a kernel's blocked and tail paths): the tokens equal argmax of the full logits exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+TILE_ROWS = 32768
+
+
+def _rows_of(module, start: int, end: int):
+    """The head restricted to vocabulary rows [start, end): a plain tensor or a packed view."""
+    if getattr(module, "scheme", None) is None:
+        return module.weight[start:end]
+    view = SimpleNamespace(weight=module.weight[start:end], scales=module.scales[start:end],
+                           scheme=module.scheme, in_cols=module.in_cols)
+    if module.scheme.has_biases():
+        view.biases = module.biases[start:end]
+    return view
+
+
+def greedy_tokens(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """h [R, N] final hidden states; head: the module whose weight [vocab, N] maps them to logits
+    (maybe quantized). Returns argmax tokens [R] int64."""
+    from deltaserve.layers.linear import linear
+    from deltaserve.quant.linear import quant_linear
+
+    vocab = head.weight.shape[0]
+    best_val = torch.full((h.shape[0],), float("-inf"), device=h.device)
+    best_idx = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    for start in range(0, vocab, tile_rows):
+        part = _rows_of(head, start, min(start + tile_rows, vocab))
+        logits = (quant_linear(h, part) if isinstance(part, SimpleNamespace)
+                  else linear(h, part)).float()
+        val, idx = logits.max(dim=-1)
+        better = val > best_val  # strictly: an earlier tile keeps a tie
+        best_val = torch.where(better, val, best_val)
+        best_idx = torch.where(better, idx + start, best_idx)
+    return best_idx
