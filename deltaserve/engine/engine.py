@@ -38,7 +38,7 @@ class StepOutput:
     text: str
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (non-finite logits)
     stop_reason: int | str | None = None
 
 
@@ -102,10 +102,18 @@ class Engine:
         all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
                    for c in plan.chunks if len(c.token_ids) > 1}
         logits = self.runner.execute(plan, all_ids)
+        failed = [self._fail(rid) for rid in sorted(logits.failed)]
         sampled = self._sample(logits)
-        self.scheduler.update(plan, sampled)
+        self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
         self.num_steps += 1
-        return [self._emit(rid, token) for rid, token in sampled.items()]
+        return failed + [self._emit(rid, token) for rid, token in sampled.items()]
+
+    def _fail(self, rid: str) -> StepOutput:
+        """Non-finite logits: the request ends with an error (never NaN text), its slot and blocks
+        go back, and its state never entered the prefix cache (the runner saw to that)."""
+        self.scheduler.abort(rid)
+        self._live.pop(rid, None)
+        return StepOutput(rid, "", (), True, "error", "non-finite logits")
 
     def _sample(self, logits: StepLogits) -> dict[str, int]:
         """Greedy rows: one argmax over the step's logits; sampled rows: the filters on all rows
@@ -113,6 +121,8 @@ class Engine:
         if logits.are_tokens:  # the greedy head already chose
             tokens = logits.tensor.tolist()
             return {rid: tokens[row] for rid, row in logits.rows.items()}
+        live = [rid for rid in logits if rid not in logits.failed]
+        logits = StepLogits(logits.tensor, {rid: logits.rows[rid] for rid in live})
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
         out = {}
         if greedy:

@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (EOS, stop id or string) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop id or string), "length", "error" (NaN/inf)
     stop_reason: int | str | None = None  # the stop id or string that ended it, None for EOS/length
 
 

@@ -17,9 +17,11 @@ class StepLogits(Mapping[str, torch.Tensor]):
     """Request id -> next-token logits [vocab], over one [rows, vocab] tensor (so the sampler
     can take every greedy row's argmax in one op, without stacking copies of the rows)."""
 
-    def __init__(self, logits: torch.Tensor, rows: dict[str, int]) -> None:
+    def __init__(self, logits: torch.Tensor, rows: dict[str, int],
+                 failed: frozenset[str] = frozenset()) -> None:
         self.tensor, self.rows = logits, rows
         self.are_tokens = logits.dtype == torch.int64  # the greedy head's output: [rows] tokens
+        self.failed = failed  # requests whose logits went non-finite this step
 
     def __getitem__(self, rid: str) -> torch.Tensor:
         return self.tensor[self.rows[rid]]
@@ -50,8 +52,8 @@ class ModelRunner:
                                      [c.slot for c in plan.chunks],
                                      [c.start_pos for c in plan.chunks],
                                      [self.cache.block_table(c.request_id) for c in plan.chunks])
-            return StepLogits(logits, {c.request_id: i for i, c in enumerate(plan.chunks)
-                                       if c.sample})
+            rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
+            return StepLogits(logits, rows, _non_finite(logits, plan))
         chunks, ids = [], []
         for c in plan.chunks:
             snap_at = ()
@@ -65,8 +67,19 @@ class ModelRunner:
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
         logits = self.model.forward_batch(torch.tensor(ids, device=device), batch,
                                           greedy=self.greedy_head)
+        failed = _non_finite(logits, plan)
         for i, snaps in batch.snapshots.items():
-            if snaps:
-                rid = plan.chunks[i].request_id
+            rid = plan.chunks[i].request_id
+            if snaps and rid not in failed:  # a state that produced NaN/inf is never shared
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
-        return StepLogits(logits, {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample})
+        rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
+        return StepLogits(logits, rows, failed)
+
+
+def _non_finite(logits: torch.Tensor, plan: StepPlan) -> frozenset[str]:
+    """Requests whose chunk produced a non-finite logit (one reduction and one host copy per
+    step; the greedy head's tokens carry no logits to check)."""
+    if logits.dtype == torch.int64:
+        return frozenset()
+    ok = torch.isfinite(logits).all(dim=-1).tolist()
+    return frozenset(c.request_id for c, fine in zip(plan.chunks, ok, strict=False) if not fine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -307,3 +308,33 @@ def test_greedy_head_engine_matches_and_refuses_sampling(tiny_llm) -> None:
     with pytest.raises(RequestError, match="greedy-only"):
         greedy.add_request("s", [1, 2, 3], SamplingParams(temperature=0.8, max_tokens=4))
     assert greedy.cache.usage() == before and not greedy.has_work
+
+
+def test_non_finite_logits_end_one_request_and_never_reach_the_prefix_cache(tiny_llm) -> None:
+    engine = make_engine(tiny_llm)
+    prompts = prompts_of([130, 70], seed=29)
+    forward = tiny_llm.model.forward_batch
+    poisoned = {"done": False}
+
+    def poison(ids, batch, **kw):  # the first step's first chunk (r0's prefill) goes NaN
+        out = forward(ids, batch, **kw)
+        if not poisoned["done"]:
+            poisoned["done"] = True
+            out = out.clone()
+            out[0, 7] = float("nan")
+        return out
+
+    engine.runner.model = SimpleNamespace(forward_batch=poison, device=tiny_llm.model.device)
+    events = defaultdict(list)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
+    while engine.has_work:
+        for ev in engine.step():
+            events[ev.request_id].append(ev)
+    assert [e.finish_reason for e in events["r0"]] == ["error"] and events["r0"][0].text == ""
+    assert [t for e in events["r1"] for t in e.token_ids] == solo(tiny_llm.model, prompts["r1"],
+                                                                   GREEDY.max_tokens)[0]
+    assert engine.cache.prefix.lookup(prompts["r0"], 129) is None  # r0's states were not kept
+    assert engine.cache.prefix.lookup(prompts["r1"], 69) is not None  # r1's 64-token snapshot was
+    usage = engine.cache.usage()
+    assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
