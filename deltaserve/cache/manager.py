@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.cache.prefix import PrefixCache
 
@@ -20,6 +22,7 @@ class CacheConfig:
     block_len: int = 64
     prefix_granularity: int = 64  # snapshot grid; a multiple of block_len and of the GDN scan chunk
     prefix_budget_bytes: int = 1 << 30  # 0 disables the prefix cache
+    kv_dtype: torch.dtype | None = None  # None: the activation dtype
 
     def __post_init__(self) -> None:
         if self.prefix_granularity % 64 or self.prefix_granularity % self.block_len:
@@ -42,7 +45,7 @@ class CacheManager:
         # step read and write them, never a sequence's
         sizes = PoolSizes(config.num_slots + 1, config.num_blocks + 1, config.block_len)
         self.states = StatePool(model.cfg, config.num_slots + 1, model.act_dtype, model.device)
-        self.kv = KVPool(model.cfg, sizes, model.act_dtype, model.device)
+        self.kv = KVPool(model.cfg, sizes, config.kv_dtype or model.act_dtype, model.device)
         self.spare_slot, self.spare_block = self.states.allocate(), self.kv.allocate(1)[0]
         self.prefix = (PrefixCache(self.kv, config.prefix_granularity, config.prefix_budget_bytes,
                                    fingerprint) if config.prefix_budget_bytes > 0 else None)

@@ -85,15 +85,16 @@ def scratch_estimate(model, max_batched_tokens: int) -> int:
     return activations + min(largest_weight * 4, 64 * 2**20 * 4)
 
 
-def unit_bytes(model, block_len: int) -> tuple[int, int]:
+def unit_bytes(model, block_len: int, kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(bytes of one state slot, bytes of one KV block) for `model`'s layers and dtypes."""
     from deltaserve.config import FULL
 
     cfg, act = model.cfg, torch.empty((), dtype=model.act_dtype).element_size()
+    kv = torch.empty((), dtype=kv_dtype or model.act_dtype).element_size()
     per_slot = per_block = 0
     for layer_type in cfg.layer_types:
         if layer_type == FULL:
-            per_block += 2 * cfg.num_key_value_heads * block_len * cfg.head_dim * act
+            per_block += 2 * cfg.num_key_value_heads * block_len * cfg.head_dim * kv
         else:
             per_slot += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * act
             per_slot += (cfg.linear_num_value_heads * cfg.linear_key_head_dim
@@ -102,13 +103,13 @@ def unit_bytes(model, block_len: int) -> tuple[int, int]:
 
 
 def plan(model, max_model_len: int, num_slots: int, kv_cache_bytes: int, block_len: int,
-         max_batched_tokens: int) -> tuple[int, MemoryReport]:
+         max_batched_tokens: int, kv_dtype: torch.dtype | None = None) -> tuple[int, MemoryReport]:
     """KV blocks for the pools, and the report. Every slot may reach max_model_len until
     kv_cache_bytes binds; at least one max_model_len sequence always. On CUDA (memory allocated
     up front) the blocks are cut to what fits, or refused below one sequence; CPU pools are
     touched only as used, so there the report is advice."""
     device = model.device
-    per_slot, per_block = unit_bytes(model, block_len)
+    per_slot, per_block = unit_bytes(model, block_len, kv_dtype)
     per_seq = -(-max_model_len // block_len)
     want = max(per_seq, min(per_seq * num_slots, kv_cache_bytes // max(per_block, 1)))
     scratch = scratch_estimate(model, max_batched_tokens)

@@ -37,6 +37,7 @@ class LLM:
         prefix_cache_bytes: int = 1 << 30,
         kv_cache_bytes: int = 4 << 30,
         greedy_head: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
@@ -60,9 +61,12 @@ class LLM:
             )
         self.max_model_len = max_model_len or limit
         self.generation_config = self._generation_config()
+        if kv_cache_dtype not in KV_DTYPES:
+            raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
+                               f"{kv_cache_dtype!r}")
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes,
-                                greedy_head=greedy_head)
+                                greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype)
         self._engine: Engine | None = None
 
     @property
@@ -216,19 +220,29 @@ def _finish_metrics(m: dict[str, float]) -> None:
         m.pop(k, None)
 
 
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}
+
+
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False) -> Engine:
+                 prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
+                 kv_cache_dtype: str = "auto") -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
     from deltaserve.checkpoint.fingerprint import model_fingerprint
 
+    if kv_cache_dtype not in KV_DTYPES:
+        raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
+                           f"{kv_cache_dtype!r}")
+    kv_dtype = KV_DTYPES[kv_cache_dtype]
     num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
-                              max_num_batched_tokens)
-    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes)
+                              max_num_batched_tokens, kv_dtype)
+    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens)
-    fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}")
+    fingerprint = model_fingerprint(llm.model_dir,
+                                    f"{llm.model.dtype}/{llm.model.act_dtype}/{kv_dtype}")
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
                     EngineConfig(sched, cache, greedy_head), fingerprint)
     engine.memory_report = report

@@ -68,7 +68,7 @@ class GatedAttention(nn.Module):
         scale = self.head_dim**-0.5
         if batch.decode:  # one SDPA over all decoding sequences, padded keys masked out
             rows = batch.decode_rows()
-            k_all, v_all = batch.kv.gather_batch(layer, batch.decode_tables)
+            k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather_batch(layer, batch.decode_tables))
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
             o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask,
                                                scale=scale, enable_gqa=True)
@@ -76,7 +76,7 @@ class GatedAttention(nn.Module):
         for i in batch.prefill:
             chunk, span = batch.chunks[i], batch.span(i)
             table = torch.tensor(chunk.block_table, device=x.device)
-            k_all, v_all = batch.kv.gather(layer, table, chunk.end_pos)
+            k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather(layer, table, chunk.end_pos))
             out[:, :, span] = causal_attention(q[:, :, span], k_all, v_all, scale)
         out = out.transpose(1, 2).reshape(1, num_tokens, -1) * torch.sigmoid(
             gate.reshape(1, num_tokens, -1)

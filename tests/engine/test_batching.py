@@ -338,3 +338,22 @@ def test_non_finite_logits_end_one_request_and_never_reach_the_prefix_cache(tiny
     assert engine.cache.prefix.lookup(prompts["r1"], 69) is not None  # r1's 64-token snapshot was
     usage = engine.cache.usage()
     assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
+
+
+def test_kv_cache_dtype_is_an_option(tiny_dir) -> None:
+    """bf16 K/V under fp32 activations: half the KV bytes, logits close to the fp32 KV's."""
+    from deltaserve import LLM
+    from deltaserve.errors import RequestError
+
+    with pytest.raises(RequestError, match="kv_cache_dtype must be one of"):
+        LLM(tiny_dir, dtype="float32", kv_cache_dtype="int3")
+    runs = {}
+    for kv in ("auto", "bfloat16"):
+        llm = LLM(tiny_dir, dtype="float32", kv_cache_dtype=kv, prefix_cache_bytes=0)
+        seen = capture(llm.engine)
+        llm.generate({"prompt_token_ids": prompts_of([90], seed=31)["r0"]}, GREEDY)
+        runs[kv] = (torch.stack(next(iter(seen.values()))), llm.engine.cache)
+    (fp32, c32), (bf16, c16) = runs["auto"], runs["bfloat16"]
+    assert c16.kv.bytes_per_block() * 2 == c32.kv.bytes_per_block()
+    assert next(t for t in c16.kv.k if t is not None).dtype == torch.bfloat16
+    assert 0 < rel(bf16, fp32) <= 2e-2
