@@ -10,6 +10,12 @@ import functools
 import torch
 
 from deltaserve.env import env
+
+try:  # the one place that imports triton: the kernel modules take it (or None) from here
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = tl = None
 from deltaserve.errors import ConfigError
 
 BACKENDS = ("auto", "triton", "portable")
@@ -17,11 +23,7 @@ TRITON_MIN_CAPABILITY = (8, 0)
 
 
 def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton is not None
 
 
 def _capability() -> tuple[int, int]:
@@ -52,4 +54,5 @@ def gpu_backend() -> str:
 
 
 def triton_enabled() -> bool:
-    return torch.cuda.is_available() and gpu_backend() == "triton"
+    """Triton importable, a CUDA GPU, and the triton backend selected."""
+    return triton is not None and torch.cuda.is_available() and gpu_backend() == "triton"

@@ -12,21 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 from deltaserve.ops.triton_norm import gated_rms_norm_cuda
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
-
-def available() -> bool:
-    """Triton importable, a CUDA GPU, and the triton backend selected (ops/backend.py)."""
-    from deltaserve.ops.backend import triton_enabled
-
-    return triton is not None and triton_enabled()
-
 
 if triton is not None:
 

@@ -15,19 +15,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
-
-def available() -> bool:
-    """Triton importable, a CUDA GPU, and the triton backend selected (ops/backend.py)."""
-    from deltaserve.ops.backend import triton_enabled
-
-    return triton is not None and triton_enabled()
-
+from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 if triton is not None:
 
