@@ -25,12 +25,16 @@ static inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-static void rows_scalar(const uint16_t* w, const float* x, float* y, long n0, long n1, long K) {
-  for (long n = n0; n < n1; n++) {
-    const uint16_t* r = w + n * K;
-    float acc = 0.f;
-    for (long k = 0; k < K; k++) acc += bf16_to_f32(r[k]) * x[k];
-    y[n] = acc;
+// y[m*N + n] for rows n0..n1 and M activation rows (the single-row GEMV passes M = 1).
+static void rows_scalar_m(const uint16_t* w, const float* x, float* y, long n0, long n1, long M,
+                          long N, long K) {
+  for (long m = 0; m < M; m++) {
+    for (long n = n0; n < n1; n++) {
+      const uint16_t* r = w + n * K;
+      float acc = 0.f;
+      for (long k = 0; k < K; k++) acc += bf16_to_f32(r[k]) * x[m * K + k];
+      y[m * N + n] = acc;
+    }
   }
 }
 
@@ -72,11 +76,11 @@ void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, i
     block_avx512(w, x, y, b * ROWS, K);
 #else
     __builtin_prefetch(w + (b + 1) * ROWS * K);
-    rows_scalar(w, x, y, b * ROWS, (b + 1) * ROWS, K);
+    rows_scalar_m(w, x, y, b * ROWS, (b + 1) * ROWS, 1, N, K);
 #endif
   }
   }
-  rows_scalar(w, x, y, num_blocks * ROWS, N, K);
+  rows_scalar_m(w, x, y, num_blocks * ROWS, N, 1, N, K);
 }
 
 // Small-batch GEMM for bf16 weights: y[m,n] = sum_k float(w[n,k]) * x[m,k] for M activation rows
@@ -111,18 +115,6 @@ static void tile_avx512(const uint16_t* w, const float* x, float* y, long n0, lo
   }
 }
 #endif
-
-static void rows_scalar_m(const uint16_t* w, const float* x, float* y, long n0, long n1, long M,
-                          long N, long K) {
-  for (long m = 0; m < M; m++) {
-    for (long n = n0; n < n1; n++) {
-      const uint16_t* r = w + n * K;
-      float acc = 0.f;
-      for (long k = 0; k < K; k++) acc += bf16_to_f32(r[k]) * x[m * K + k];
-      y[m * N + n] = acc;
-    }
-  }
-}
 
 void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, long K,
                   int num_threads) {
