@@ -21,24 +21,22 @@ FINISH_REASONS = frozenset({"stop", "length", "abort"})
 class CacheManager(Protocol):
     def capacity_tokens(self) -> int:
         """Most positions one sequence can ever hold (the KV pool size)."""
-        ...
 
-    def num_free_slots(self) -> int: ...
+    def num_free_slots(self) -> int:
+        """State slots free now."""
 
     def admit(self, request_id: str, token_ids: list[int]) -> int | None:
         """Give the request a state slot, restoring the longest cached prefix of token_ids
         (at most len-1 tokens); the number of tokens restored (0 = miss), None if no slot/KV now."""
-        ...
 
-    def slot_of(self, request_id: str) -> int: ...
+    def slot_of(self, request_id: str) -> int:
+        """The state slot the request holds."""
 
     def reserve(self, request_id: str, num_positions: int) -> bool:
         """Make KV room for positions [0, num_positions); False (nothing changed) if it cannot now."""
-        ...
 
     def release(self, request_id: str) -> None:
         """Return the request's slot and KV blocks to the pools."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
