@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 import torch
+
+from deltaserve.checkpoint.fingerprint import checkpoint_fingerprint  # noqa: F401 (re-exported)
 
 
 def git_commit() -> str:
@@ -27,20 +28,6 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (sha or "unknown") + ("-dirty" if dirty else "")
-
-
-def checkpoint_fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json and every safetensors header (names, shapes, dtypes, offsets) + sizes.
-
-    Cheap (no tensor data read) yet changes whenever the file layout or config changes.
-    """
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header_len = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(header_len, 100_000_000)))
-        h.update(str(f.stat().st_size).encode())
-    return h.hexdigest()[:16]
 
 
 def device_info(device: str) -> dict[str, object]:
