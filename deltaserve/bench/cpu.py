@@ -66,27 +66,25 @@ def run_bench(args: argparse.Namespace) -> int:
     engines = {"deltaserve": _worker("ours", model_dir, args)}
     if args.peer == "transformers" and not getattr(args, "shared_prefix", 0):
         engines["transformers"] = _worker("transformers", model_dir, args)
-    record = {
-        "kind": "cpu-bench",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git_commit": git_commit(),
-        "model_dir": str(model_dir),
-        "checkpoint_fingerprint": checkpoint_fingerprint(model_dir),
-        "device": device_info("cpu"),
-        "dtype": dtype,
-        "flags": flags(),
-        "workload": {
-            "prefill_lens": args.prefill_lens,
-            "decode_tokens": args.decode_tokens,
-            "decode_prompt_len": 16,
-            "repeats": args.repeats,
-            "batch": getattr(args, "batch", None),
-            "shared_prefix": getattr(args, "shared_prefix", 0) or None,
-            "eos": "ignored",
-        },
-        "engines": engines,
-    }
-    _print_table(engines)
+    record = _header("cpu-bench", args, model_dir)
+    record["dtype"] = dtype
+    record["workload"].update(repeats=args.repeats, batch=getattr(args, "batch", None),
+                              shared_prefix=getattr(args, "shared_prefix", 0) or None)
+    record["engines"] = engines
+    return _emit(record, args)
+
+
+def _header(kind: str, args: argparse.Namespace, model_dir: Path) -> dict:
+    """What every bench record carries: commit, checkpoint, device, flags, the common workload."""
+    return {"kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+            "model_dir": str(model_dir), "checkpoint_fingerprint": checkpoint_fingerprint(model_dir),
+            "device": device_info(args.device), "flags": flags(),
+            "workload": {"prefill_lens": args.prefill_lens, "decode_tokens": args.decode_tokens,
+                         "decode_prompt_len": 16, "eos": "ignored"}}
+
+
+def _emit(record: dict, args: argparse.Namespace) -> int:
+    _print_table(record["engines"])
     text = json.dumps(record, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -102,19 +100,10 @@ def _gpu(args: argparse.Namespace, model_dir: Path) -> int:
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         raise DeltaserveError(f"--device {args.device}: no CUDA GPU here (the benchmark runs on cpu "
                               "or cuda)")
-    record = {"kind": "gpu-bench", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "git_commit": git_commit(), "model_dir": str(model_dir),
-              "checkpoint_fingerprint": checkpoint_fingerprint(model_dir),
-              "device": device_info(args.device), "flags": flags(),
-              "workload": {"prefill_lens": args.prefill_lens, "decode_tokens": args.decode_tokens,
-                           "decode_prompt_len": 16, "formats": args.formats, "eos": "ignored"}}
+    record = _header("gpu-bench", args, model_dir)
+    record["workload"]["formats"] = args.formats
     run_gpu_bench(args, model_dir, record)
-    _print_table(record["engines"])
-    text = json.dumps(record, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return _emit(record, args)
 
 
 def _print_table(engines: dict[str, dict]) -> None:

@@ -87,7 +87,7 @@ class KVPool:
     reference count: a block returns to the free list when its last holder lets it go."""
 
     def __init__(self, cfg: TextConfig, sizes: PoolSizes, act_dtype: torch.dtype, device) -> None:
-        self.block_len, self.num_blocks = sizes.block_len, sizes.num_blocks
+        self.block_len, self.num_blocks, self.device = sizes.block_len, sizes.num_blocks, device
         shape = (sizes.num_blocks, cfg.num_key_value_heads, sizes.block_len, cfg.head_dim)
         # empty (untouched until used); allocate() zeroes its blocks so the rows a sequence has
         # not written yet hold zeros, never stale NaNs that a masked-out key would still multiply
@@ -109,14 +109,12 @@ class KVPool:
         for b in blocks:
             self.refs[b] = 1
         if blocks:
-            index = torch.tensor(blocks, device=self.k_or_v_device())
+            index = torch.tensor(blocks, device=self.device)
             for t in (*self.k, *self.v):
                 if t is not None:
                     t.index_fill_(0, index, 0)
         return blocks
 
-    def k_or_v_device(self) -> torch.device:
-        return next(t.device for t in self.k if t is not None)
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:

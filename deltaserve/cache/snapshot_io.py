@@ -74,7 +74,7 @@ def import_snapshots(cache: PrefixCache, path: Path) -> int:
         if k is not None and blocks:
             k[index.to(k.device)] = tensors[f"kv.{layer}.k"].to(k.device)
             cache.kv.v[layer][index.to(k.device)] = tensors[f"kv.{layer}.v"].to(k.device)
-    device = next(t.device for t in cache.kv.k if t is not None)
+    device = cache.kv.device
     for n, e in enumerate(entries):
         states = [_state(tensors, n, layer, device) for layer in range(len(cache.kv.k))]
         snap_blocks = [blocks[i] for i in e["blocks"]]

@@ -232,10 +232,7 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     from deltaserve.cache.memory import plan
     from deltaserve.checkpoint.fingerprint import model_fingerprint
 
-    if kv_cache_dtype not in KV_DTYPES:
-        raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
-                           f"{kv_cache_dtype!r}")
-    kv_dtype = KV_DTYPES[kv_cache_dtype]
+    kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
     num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
                               max_num_batched_tokens, kv_dtype)
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
