@@ -102,11 +102,11 @@ class Engine:
         all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
                    for c in plan.chunks if len(c.token_ids) > 1}
         logits = self.runner.execute(plan, all_ids)
-        failed = [self._fail(rid) for rid in sorted(logits.failed)]
-        sampled = self._sample(logits)
+        sampled, failed = self._sample(logits)
+        errors = [self._fail(rid) for rid in sorted(failed)]
         self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
         self.num_steps += 1
-        return failed + [self._emit(rid, token) for rid, token in sampled.items()]
+        return errors + [self._emit(rid, token) for rid, token in sampled.items()]
 
     def _fail(self, rid: str) -> StepOutput:
         """Non-finite logits: the request ends with an error (never NaN text), its slot and blocks
@@ -115,29 +115,30 @@ class Engine:
         self._live.pop(rid, None)
         return StepOutput(rid, "", (), True, "error", "non-finite logits")
 
-    def _sample(self, logits: StepLogits) -> dict[str, int]:
-        """Greedy rows: one argmax over the step's logits; sampled rows: the filters on all rows
-        together, one draw each from its own generator; one device-to-host copy per kind."""
+    def _sample(self, logits: StepLogits) -> tuple[dict[str, int], frozenset[str]]:
+        """(tokens of the requests that sample, requests whose logits went non-finite). Greedy
+        rows: one argmax, copied to the host together with the finiteness flags; sampling rows:
+        the filters on all rows together, one draw each from its own generator."""
         if logits.are_tokens:  # the greedy head already chose
             tokens = logits.tensor.tolist()
-            return {rid: tokens[row] for rid, row in logits.rows.items()}
-        live = [rid for rid in logits if rid not in logits.failed]
-        logits = StepLogits(logits.tensor, {rid: logits.rows[rid] for rid in live})
+            return {rid: tokens[row] for rid, row in logits.rows.items()}, frozenset()
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
-        out = {}
+        head = None
         if greedy:
             rows = [logits.rows[rid] for rid in greedy]
             table = logits.tensor
             if rows != list(range(table.shape[0])):
                 table = table[torch.tensor(rows, device=table.device)]
-            out = dict(zip(greedy, table.argmax(-1).tolist(), strict=True))
-        rest = [rid for rid in logits if rid not in out]
+            head = table.argmax(-1)
+        failed, tokens = logits.failed_with(head)
+        out = {rid: t for rid, t in zip(greedy, tokens, strict=True) if rid not in failed}
+        rest = [rid for rid in logits if rid not in out and rid not in failed]
         if rest:
-            rows = torch.stack([logits[rid] for rid in rest])
-            tokens = sample_rows(rows, [self._live[r].params for r in rest],
-                                 [self._live[r].gen for r in rest])
-            out.update(zip(rest, tokens, strict=True))
-        return {rid: out[rid] for rid in logits}
+            rows_t = torch.stack([logits[rid] for rid in rest])
+            drawn = sample_rows(rows_t, [self._live[r].params for r in rest],
+                                [self._live[r].gen for r in rest])
+            out.update(zip(rest, drawn, strict=True))
+        return {rid: out[rid] for rid in logits if rid in out}, failed
 
     def _emit(self, rid: str, token: int) -> StepOutput:
         live, req = self._live[rid], self.scheduler.get(rid)

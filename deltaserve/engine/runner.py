@@ -17,11 +17,27 @@ class StepLogits(Mapping[str, torch.Tensor]):
     """Request id -> next-token logits [vocab], over one [rows, vocab] tensor (so the sampler
     can take every greedy row's argmax in one op, without stacking copies of the rows)."""
 
-    def __init__(self, logits: torch.Tensor, rows: dict[str, int],
-                 failed: frozenset[str] = frozenset()) -> None:
-        self.tensor, self.rows = logits, rows
+    def __init__(self, logits: torch.Tensor, rows: dict[str, int], chunk_rids: list[str]) -> None:
+        self.tensor, self.rows, self.chunk_rids = logits, rows, chunk_rids
         self.are_tokens = logits.dtype == torch.int64  # the greedy head's output: [rows] tokens
-        self.failed = failed  # requests whose logits went non-finite this step
+        # per chunk: all logits finite; a device tensor, read with the sampler's own host copy
+        self._finite = None if self.are_tokens else torch.isfinite(logits).all(dim=-1)
+        self._failed: frozenset[str] | None = None if self._finite is not None else frozenset()
+
+    def failed_with(self, head: torch.Tensor | None) -> tuple[frozenset[str], list[int]]:
+        """(requests whose logits went non-finite, head.tolist()) in one device-to-host copy."""
+        if self._failed is not None:
+            return self._failed, [] if head is None else head.tolist()
+        both = self._finite.long() if head is None else torch.cat([head, self._finite.long()])
+        values = both.tolist()
+        cut = len(values) - len(self.chunk_rids)
+        self._failed = frozenset(rid for rid, ok in zip(self.chunk_rids, values[cut:], strict=True)
+                                 if not ok)
+        return self._failed, values[:cut]
+
+    @property
+    def failed(self) -> frozenset[str]:
+        return self.failed_with(None)[0]
 
     def __getitem__(self, rid: str) -> torch.Tensor:
         return self.tensor[self.rows[rid]]
@@ -52,8 +68,7 @@ class ModelRunner:
                                      [c.slot for c in plan.chunks],
                                      [c.start_pos for c in plan.chunks],
                                      [self.cache.block_table(c.request_id) for c in plan.chunks])
-            rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
-            return StepLogits(logits, rows, _non_finite(logits, plan))
+            return _step_logits(logits, plan)
         chunks, ids = [], []
         for c in plan.chunks:
             snap_at = ()
@@ -67,19 +82,15 @@ class ModelRunner:
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
         logits = self.model.forward_batch(torch.tensor(ids, device=device), batch,
                                           greedy=self.greedy_head)
-        failed = _non_finite(logits, plan)
-        for i, snaps in batch.snapshots.items():
+        out = _step_logits(logits, plan)
+        pending = {i: snaps for i, snaps in batch.snapshots.items() if snaps}
+        for i, snaps in pending.items():  # (out.failed costs a host copy only when there are some)
             rid = plan.chunks[i].request_id
-            if snaps and rid not in failed:  # a state that produced NaN/inf is never shared
+            if rid not in out.failed:  # a state that produced NaN/inf is never shared
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
-        rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
-        return StepLogits(logits, rows, failed)
+        return out
 
 
-def _non_finite(logits: torch.Tensor, plan: StepPlan) -> frozenset[str]:
-    """Requests whose chunk produced a non-finite logit (one reduction and one host copy per
-    step; the greedy head's tokens carry no logits to check)."""
-    if logits.dtype == torch.int64:
-        return frozenset()
-    ok = torch.isfinite(logits).all(dim=-1).tolist()
-    return frozenset(c.request_id for c, fine in zip(plan.chunks, ok, strict=False) if not fine)
+def _step_logits(logits: torch.Tensor, plan: StepPlan) -> StepLogits:
+    rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
+    return StepLogits(logits, rows, [c.request_id for c in plan.chunks])
