@@ -40,7 +40,7 @@ class StepBatch:
     kv_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None  # [BD]
     decode_tables: torch.Tensor | None = None  # [BD,NBmax] (padded)
-    decode_mask: torch.Tensor | None = None  # [BD,1,1,NBmax*L] True = attend
+    decode_lengths: torch.Tensor | None = None  # [BD] positions each decode row attends to
     # filled by the GDN layers: snapshots[chunk][position][layer] = (conv window, state)
     snapshots: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(
         default_factory=dict
@@ -70,10 +70,14 @@ class StepBatch:
             batch.decode_tables = as_long(
                 [list(c.block_table) + [c.block_table[0]] * (width - len(c.block_table)) for c in dec]
             )
-            lengths = as_long([c.end_pos for c in dec])
-            keys = torch.arange(width * block_len, device=device)
-            batch.decode_mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+            batch.decode_lengths = as_long([c.end_pos for c in dec])
         return batch
+
+    def decode_mask(self) -> torch.Tensor:
+        """[BD,1,1,NBmax*L] True = attend: the padded key range of the decode rows, masked."""
+        width = self.decode_tables.shape[1] * self.kv.block_len
+        keys = torch.arange(width, device=self.decode_lengths.device)
+        return (keys[None, :] < self.decode_lengths[:, None])[:, None, None, :]
 
     @property
     def num_tokens(self) -> int:

@@ -60,20 +60,17 @@ class DecodeGraphs:
         graph.replay()
         return logits[:num]
 
-    def _batch(self, static: dict, bsz: int, width: int) -> StepBatch:
+    def _batch(self, static: dict, bsz: int) -> StepBatch:
         """A StepBatch whose tensors are the graph's static inputs (decode-only layout)."""
         from deltaserve.cache.batch import SeqChunk
 
-        block_len = self.cache.kv.block_len
         chunks = [SeqChunk(self.spare_slot, 0, 1, (self.spare_block,)) for _ in range(bsz)]
         batch = StepBatch(chunks, self.cache.states, self.cache.kv)
         batch.offsets = list(range(bsz))
         batch.decode = list(range(bsz))
         batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]
         batch.kv_rows, batch.decode_slots = static["kv_rows"], static["slots"]
-        batch.decode_tables = static["tables"]
-        keys = torch.arange(width * block_len, device=static["ids"].device)
-        batch.decode_mask = (keys[None, :] < static["lengths"][:, None])[:, None, None, :]
+        batch.decode_tables, batch.decode_lengths = static["tables"], static["lengths"]
         return batch
 
     def _capture(self, bsz: int, width: int):
@@ -89,12 +86,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
             for _ in range(2):
-                self.model.forward_batch(static["ids"], self._batch(static, bsz, width),
+                self.model.forward_batch(static["ids"], self._batch(static, bsz),
                                          greedy=self.greedy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            # the mask is computed inside the graph from the static lengths
-            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz, width),
+            # masks and the like are computed inside the graph from the static lengths
+            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz),
                                               greedy=self.greedy)
         return graph, static, logits

@@ -9,6 +9,7 @@ from torch import nn
 from deltaserve.cache.batch import StepBatch
 from deltaserve.cache.state import KVCache
 from deltaserve.config import TextConfig
+from deltaserve.env import env
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import apply_rotary
@@ -55,6 +56,8 @@ class GatedAttention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         """x [1,T,N] holding every chunk of the step; K/V go to and come from batch.kv's blocks."""
+        if _fused(x):
+            return self._forward_fused(x, cos_sin, batch, layer)
         num_tokens = x.shape[1]
         qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
         qg = qg.reshape(1, num_tokens, self.num_heads, 2 * self.head_dim)
@@ -70,7 +73,7 @@ class GatedAttention(nn.Module):
             rows = batch.decode_rows()
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather_batch(layer, batch.decode_tables))
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
-            o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask,
+            o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask(),
                                                scale=scale, enable_gqa=True)
             out[0, :, rows] = o[:, :, 0].transpose(0, 1)
         for i in batch.prefill:
@@ -82,6 +85,45 @@ class GatedAttention(nn.Module):
             gate.reshape(1, num_tokens, -1)
         )
         return self.o_proj(out)
+
+    def _forward_fused(self, x: torch.Tensor, cos_sin, batch: StepBatch, layer: int
+                       ) -> torch.Tensor:
+        """The Triton path: one prep kernel (norms, rotary, K/V into the pool), paged attention
+        for the decode rows (with the gate), SDPA for prefill chunks."""
+        from deltaserve.ops import triton_attention as ta
+
+        num_tokens, dim = x.shape[1], self.head_dim
+        proj = self.qkv_proj(x)[0]  # [T, P]
+        k_pool, v_pool = batch.kv.k[layer], batch.kv.v[layer]
+        q = ta.qk_prep_cuda(proj, self.q_norm.weight, self.k_norm.weight, *cos_sin, k_pool,
+                            v_pool, batch.kv_blocks, batch.kv_rows, self.num_heads,
+                            self.q_norm.eps)  # [T,HQ,D]
+        out = proj.new_empty(num_tokens, self.num_heads * dim)
+        scale = dim**-0.5
+        if batch.decode:
+            rows = batch.decode_rows()
+            rows = None if isinstance(rows, slice) else torch.tensor(rows, device=x.device)
+            ta.paged_decode_attention_cuda(q, proj, k_pool, v_pool, batch.decode_tables,
+                                           batch.decode_lengths, scale, out, rows)
+        for i in batch.prefill:
+            chunk, span = batch.chunks[i], batch.span(i)
+            table = torch.tensor(chunk.block_table, device=x.device)
+            k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather(layer, table, chunk.end_pos))
+            o = causal_attention(q[span].transpose(0, 1)[None], k_all, v_all, scale)[0]
+            gate = proj[span, : 2 * self.num_heads * dim].reshape(-1, self.num_heads, 2 * dim)
+            out[span] = (o.transpose(0, 1) * torch.sigmoid(gate[..., dim:])).flatten(1)
+        return self.o_proj(out[None])
+
+
+FUSED_MAX_TOKENS = 512  # longer steps (prefill) keep the torch norms, as transformers runs them
+
+
+def _fused(x: torch.Tensor) -> bool:
+    if not x.is_cuda or x.shape[1] > FUSED_MAX_TOKENS or env().reference_ops:
+        return False
+    from deltaserve.ops import triton_attention
+
+    return triton_attention.available()
 
 
 def _rotary_batch(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:

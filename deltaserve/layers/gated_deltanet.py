@@ -89,11 +89,13 @@ class GatedDeltaNet(nn.Module):
         out = x.new_empty(x.shape[1], self.value_dim)
         if batch.decode:
             rows = batch.decode_rows()
+            all_decode = isinstance(rows, slice)  # then the kernel writes `out` in place
             o = gdn_decode_slots(qkv[0, rows], z[0, rows], b[0, rows], a[0, rows], conv_pool,
                                  self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state_pool,
                                  batch.decode_slots, self.norm.weight, self.norm.eps,
-                                 self.num_k_heads)
-            out[rows] = o.to(out.dtype)
+                                 self.num_k_heads, out if all_decode else None)
+            if not all_decode:
+                out[rows] = o.to(out.dtype)
         for i in batch.prefill:
             chunk, span = batch.chunks[i], batch.span(i)
             window = conv_pool[chunk.slot : chunk.slot + 1]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import Linear
+from deltaserve.ops.activation import silu_mul
 
 
 class MLP(nn.Module):
@@ -18,5 +18,4 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltaserve.ops.norm import gated_rms_norm_ref, rms_norm
+from deltaserve.ops.norm import add_rms_norm, gated_rms_norm_ref, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +18,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, 1.0)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on GPUs."""
+        return add_rms_norm(x, residual, self.weight, self.eps, 1.0)
 
 
 class GatedRMSNorm(nn.Module):

@@ -39,14 +39,11 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_batch(self, x: torch.Tensor, idx: int, batch: StepBatch, cos_sin) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def mix(self, h: torch.Tensor, idx: int, batch: StepBatch, cos_sin) -> torch.Tensor:
+        """The token mixer of a batched step on the normed input h [1,T,N]."""
         if self.is_full:
-            h = self.self_attn.forward_batch(h, cos_sin, batch, idx)
-        else:
-            h = self.linear_attn.forward_batch(h, batch, idx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return self.self_attn.forward_batch(h, cos_sin, batch, idx)
+        return self.linear_attn.forward_batch(h, batch, idx)
 
 
 class Backbone(nn.Module):
@@ -124,10 +121,16 @@ class Qwen3_5ForCausalLM(nn.Module):
         greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised)."""
         x = embed(self.model.embed_tokens, input_ids[None]).to(self.act_dtype)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
-        for idx, layer in enumerate(self.model.layers):
-            x = layer.forward_batch(x, idx, batch, cos_sin)
-        h = x[0] if all_logits or not batch.prefill else x[0, batch.last_rows()]
-        h = self.model.norm(h)
+        layers = self.model.layers
+        # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
+        # into post_attention_layernorm, the MLP's into the next layer's input norm (the final norm)
+        h, residual = layers[0].input_layernorm(x), x
+        for idx, layer in enumerate(layers):
+            mixed = layer.mix(h, idx, batch, cos_sin)
+            h, residual = layer.post_attention_layernorm.add_forward(mixed, residual)
+            after = layers[idx + 1].input_layernorm if idx + 1 < len(layers) else self.model.norm
+            h, residual = after.add_forward(layer.mlp(h), residual)
+        h = h[0] if all_logits or not batch.prefill else h[0, batch.last_rows()]
         head = self.head
         if greedy:
             return greedy_tokens(h, head)

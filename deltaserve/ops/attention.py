@@ -34,6 +34,50 @@ def causal_attention_ref(
     k, v = (x.float().repeat_interleave(groups, dim=1) for x in (k, v))
     seq_len, cache_len = q.shape[2], k.shape[2]
     scores = (q.float() @ k.transpose(-1, -2)) * scale
-    rows = torch.arange(cache_len - seq_len, cache_len)[:, None]
-    scores = scores.masked_fill(torch.arange(cache_len)[None, :] > rows, float("-inf"))
+    rows = torch.arange(cache_len - seq_len, cache_len, device=q.device)[:, None]
+    keys = torch.arange(cache_len, device=q.device)[None, :]
+    scores = scores.masked_fill(keys > rows, float("-inf"))
     return scores.softmax(-1) @ v
+
+
+def qk_prep_ref(proj: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                blocks: torch.Tensor, rows: torch.Tensor, num_heads: int, eps: float
+                ) -> torch.Tensor:
+    """The gated-attention prologue as the torch layers compose it: proj [T, P] = per head
+    [query D | gate D], then k [HKV*D], v [HKV*D]. Returns q [T, HQ, D] after the (1+w) RMSNorm
+    and partial rotary; k (normed, rotated) and v of token t go to block blocks[t], row rows[t]."""
+    from deltaserve.layers.rotary import apply_rotary
+    from deltaserve.ops.norm import rms_norm_ref
+
+    num_tokens = proj.shape[0]
+    _, num_kv_heads, _, head_dim = k_pool.shape
+    q_end = 2 * num_heads * head_dim
+    qg = proj[:, :q_end].reshape(num_tokens, num_heads, 2 * head_dim)
+    k = proj[:, q_end : q_end + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, -1)
+    v = proj[:, q_end + num_kv_heads * head_dim :].reshape(num_tokens, num_kv_heads, -1)
+    q = rms_norm_ref(qg[..., :head_dim], q_w, eps, 1.0).transpose(0, 1)[None]  # [1,HQ,T,D]
+    k = rms_norm_ref(k, k_w, eps, 1.0).transpose(0, 1)[None]
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k_pool[blocks, :, rows] = k[0].transpose(0, 1).to(k_pool.dtype)
+    v_pool[blocks, :, rows] = v.to(v_pool.dtype)
+    return q[0].transpose(0, 1).contiguous()
+
+
+def paged_decode_attention_ref(q: torch.Tensor, proj: torch.Tensor, k_pool: torch.Tensor,
+                               v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """q [B, HQ, D]: row b attends to its first lengths[b] positions, stored in blocks tables[b]
+    of k_pool / v_pool [NB, HKV, L, D]; the result times sigmoid(gate) (gate: the second half of
+    each head's [query D | gate D] slice of proj [B, P]). Returns [B, HQ*D] fp32."""
+    bsz, num_heads, head_dim = q.shape
+    outs = []
+    for b in range(bsz):
+        length = int(lengths[b])
+        k = k_pool[tables[b]].transpose(0, 1).flatten(1, 2)[:, :length]  # [HKV,S,D]
+        v = v_pool[tables[b]].transpose(0, 1).flatten(1, 2)[:, :length]
+        o = causal_attention_ref(q[b][None, :, None].float(), k[None].float(), v[None].float(),
+                                 scale)  # [1,HQ,1,D]
+        outs.append(o[0, :, 0])
+    gate = proj[:, : 2 * num_heads * head_dim].reshape(bsz, num_heads, 2 * head_dim)[..., head_dim:]
+    return (torch.stack(outs) * torch.sigmoid(gate.float())).reshape(bsz, -1)

@@ -83,17 +83,28 @@ def gdn_decode_slots_ref(
 
 def gdn_decode_slots(
     qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
-    eps: float, num_k_heads: int,
+    eps: float, num_k_heads: int, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as gdn_decode_slots_ref; the native kernel (CPU) or the Triton kernels (CUDA)
-    update the pool rows in place."""
+    """Same contract as gdn_decode_slots_ref; the native kernel (CPU) or the Triton kernel (CUDA)
+    update the pool rows in place. With `out` [B, HV*V] (any float dtype) the result is written
+    there (the Triton kernel stores it directly in out's dtype) and out is returned."""
     if qkv.device.type == "cuda" and not env().reference_ops:
         from deltaserve.ops import triton_gdn_decode
 
         if triton_gdn_decode.available():
             return triton_gdn_decode.gdn_decode_slots_cuda(
                 qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots, norm_w, eps,
-                num_k_heads)
+                num_k_heads, out)
+    result = _gdn_decode_slots_host(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool,
+                                    slots, norm_w, eps, num_k_heads)
+    return result if out is None else out.copy_(result)
+
+
+def _gdn_decode_slots_host(
+    qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
+    eps: float, num_k_heads: int,
+) -> torch.Tensor:
+    """The native kernel on CPU fp32, else the reference."""
     lib = native_lib()
     fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, conv_pool, conv_w, state_pool))
     if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:

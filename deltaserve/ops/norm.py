@@ -28,6 +28,28 @@ def gated_rms_norm_ref(
     return rms_norm_ref(x.float(), weight, eps, 0.0) * F.silu(z.float())
 
 
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block seam: total = residual + x (in residual's dtype), returns
+    (rms_norm_ref(total), total)."""
+    total = residual + x
+    return rms_norm_ref(total, weight, eps, offset), total
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as add_rms_norm_ref: one Triton kernel for decode-sized CUDA inputs, else the
+    add and rms_norm (native on CPU)."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cuda" and rows <= CUDA_MAX_ROWS and not env().reference_ops:
+        from deltaserve.ops import triton_norm
+
+        if triton_norm.available():
+            return triton_norm.add_rms_norm_cuda(x, residual, weight, eps, offset)
+    total = residual + x
+    return rms_norm(total, weight, eps, offset), total
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """Same contract as rms_norm_ref: one native call on CPU fp32 (decode runs ~49 norms per token)."""
     lib = native_lib()

@@ -1,11 +1,13 @@
 """GDN decode step on pool slots for CUDA GPUs (Triton): the contract of
-ops/gdn_decode.gdn_decode_slots_ref, in two kernels instead of a gather, ~12 torch ops and a scatter.
+ops/gdn_decode.gdn_decode_slots_ref in one kernel per layer.
 
-1. conv: per (sequence, channel block) the causal conv tap sum, SiLU, and the window shift, read
-   from and written back to the sequence's slot of the conv pool.
-2. delta rule: per (sequence, value head, block of V columns) the q/k L2 norms, decay and beta, and
-   the update of those columns of the recurrent matrix in place in its pool slot (fp32).
-The gated RMSNorm over each head's V outputs then runs as one more kernel (it needs all of V).
+One program per (sequence, value head) holds the head's whole K x V recurrent matrix (128 x 128 fp32
+across 8 warps) and does, in registers: the causal conv of the head's q, k and v channels with the
+window shift in its pool slot, SiLU, the q/k L2 norms, decay and beta, the delta-rule update of the
+matrix in place, the output row, the gated RMSNorm over it and the store in the caller's dtype.
+Fusing the conv needs each program to own its q/k channels, i.e. one value head per key head
+(Qwen3.5-0.8B and 2B); with grouped value heads the conv runs first as its own kernel, since the
+programs of a group would race on the shared window.
 """
 
 from __future__ import annotations
@@ -14,9 +16,25 @@ import torch
 
 from deltaserve.ops.backend import tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
-from deltaserve.ops.triton_norm import gated_rms_norm_cuda
+
+NUM_WARPS = 8
 
 if triton is not None:
+
+    @triton.jit
+    def _conv_taps(x_row, win, cw, cols, ok, W: tl.constexpr):
+        """Causal conv of channels `cols` (tap W-1 = the new input), window shifted in place;
+        returns SiLU of the sum in fp32."""
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = x * tl.load(cw + cols * W + (W - 1), mask=ok, other=0.0)
+        prev = tl.load(win + cols * (W - 1), mask=ok, other=0.0).to(tl.float32)
+        acc += prev * tl.load(cw + cols * W, mask=ok, other=0.0)
+        for t in tl.static_range(1, W - 1):
+            cur = tl.load(win + cols * (W - 1) + t, mask=ok, other=0.0)
+            acc += cur.to(tl.float32) * tl.load(cw + cols * W + t, mask=ok, other=0.0)
+            tl.store(win + cols * (W - 1) + t - 1, cur, mask=ok)
+        tl.store(win + cols * (W - 1) + (W - 2), x.to(win.dtype.element_ty), mask=ok)
+        return acc / (1.0 + tl.exp(-acc))
 
     @triton.jit
     def _conv_kernel(QKV, WIN, CW, SLOTS, OUT, C, QKV_STRIDE, W: tl.constexpr,
@@ -24,64 +42,77 @@ if triton is not None:
         b = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
-        slot = tl.load(SLOTS + b)
-        win = WIN + slot * C * (W - 1) + cols * (W - 1)
-        x = tl.load(QKV + b * QKV_STRIDE + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = x * tl.load(CW + cols * W + (W - 1), mask=ok, other=0.0)
-        prev = tl.load(win, mask=ok, other=0.0).to(tl.float32)  # tap 0
-        acc += prev * tl.load(CW + cols * W, mask=ok, other=0.0)
-        for t in tl.static_range(1, W - 1):
-            cur = tl.load(win + t, mask=ok, other=0.0)
-            acc += cur.to(tl.float32) * tl.load(CW + cols * W + t, mask=ok, other=0.0)
-            tl.store(win + t - 1, cur, mask=ok)  # shift left by one
-        tl.store(win + (W - 2), x.to(WIN.dtype.element_ty), mask=ok)
-        tl.store(OUT + b * C + cols, acc / (1.0 + tl.exp(-acc)), mask=ok)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        out = _conv_taps(QKV + b * QKV_STRIDE, WIN + slot * C * (W - 1), CW, cols, ok, W)
+        tl.store(OUT + b * C + cols, out, mask=ok)
 
     @triton.jit
-    def _delta_kernel(CONV, A, B, ALOG, DTB, STATE, SLOTS, OUT, C, HV, GROUP, HK, AB_STRIDE,
-                      K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr):
-        b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _gdn_step_kernel(QKV, QKV_STRIDE, CONV, WIN, CW, Z, Z_STRIDE, A, B, AB_STRIDE, ALOG, DTB,
+                         STATE, NW, SLOTS, OUT, OUT_STRIDE, C, HV, GROUP, HK, eps,
+                         K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                         FUSE_CONV: tl.constexpr):
+        b, h = tl.program_id(0), tl.program_id(1)
         kh = h // GROUP
-        ks = tl.arange(0, K)
-        vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        q = tl.load(CONV + b * C + kh * K + ks)
-        k = tl.load(CONV + b * C + HK * K + kh * K + ks)
-        v = tl.load(CONV + b * C + 2 * HK * K + h * V + vs)
+        ks, vs = tl.arange(0, K), tl.arange(0, V)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        if FUSE_CONV:
+            x_row, win = QKV + b * QKV_STRIDE, WIN + slot * C * (W - 1)
+            q = _conv_taps(x_row, win, CW, kh * K + ks, ks < K, W)
+            k = _conv_taps(x_row, win, CW, HK * K + kh * K + ks, ks < K, W)
+            v = _conv_taps(x_row, win, CW, 2 * HK * K + h * V + vs, vs < V, W)
+        else:
+            q = tl.load(CONV + b * C + kh * K + ks)
+            k = tl.load(CONV + b * C + HK * K + kh * K + ks)
+            v = tl.load(CONV + b * C + 2 * HK * K + h * V + vs)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) / tl.sqrt(K * 1.0)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         x = tl.load(A + b * AB_STRIDE + h).to(tl.float32) + tl.load(DTB + h)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
         decay = tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus)
         beta = 1.0 / (1.0 + tl.exp(-tl.load(B + b * AB_STRIDE + h).to(tl.float32)))
-        slot = tl.load(SLOTS + b)
         ptrs = STATE + ((slot * HV + h) * K + ks[:, None]) * V + vs[None, :]
-        s = tl.load(ptrs) * decay  # [K, BLOCK_V]
+        s = tl.load(ptrs) * decay  # [K, V]
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s += k[:, None] * delta[None, :]
         tl.store(ptrs, s)
-        tl.store(OUT + (b * HV + h) * V + vs, tl.sum(s * q[:, None], 0))
+        o = tl.sum(s * q[:, None], 0)  # [V]
+        # gated RMSNorm over the head's V outputs: rms_norm(o) * w * silu(z), plain w
+        o = o * tl.rsqrt(tl.sum(o * o, 0) / V + eps) * tl.load(NW + vs)
+        z = tl.load(Z + b * Z_STRIDE + h * V + vs).to(tl.float32)
+        o = o * (z / (1.0 + tl.exp(-z)))
+        tl.store(OUT + b * OUT_STRIDE + h * V + vs, o.to(OUT.dtype.element_ty))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A [B, n] view readable in place: unit column stride (any row stride), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def gdn_decode_slots_cuda(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool,
-                          slots: torch.Tensor, norm_w, eps: float, num_k_heads: int) -> torch.Tensor:
-    """Same contract as ops/gdn_decode.gdn_decode_slots_ref (pools updated in place)."""
+                          slots: torch.Tensor, norm_w, eps: float, num_k_heads: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ops/gdn_decode.gdn_decode_slots_ref (pools updated in place); the output
+    [B, HV*V] goes to `out` (any dtype, unit column stride) when given, else a new fp32 tensor."""
     bsz, channels = qkv.shape
     _, num_heads, k_dim, v_dim = state_pool.shape
     width = conv_pool.shape[-1] + 1
-    # row views of the in-projection output are read in place (unit column stride, any row stride)
-    qkv, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (qkv, a, b))
+    qkv, z, a, b = (_rows(t) for t in (qkv, z, a, b))
     if a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
-    conv = torch.empty(bsz, channels, dtype=torch.float32, device=qkv.device)
-    block_c = 256
-    _conv_kernel[(bsz, triton.cdiv(channels, block_c))](
-        qkv, conv_pool, conv_w.float().contiguous(), slots, conv, channels, qkv.stride(0),
-        W=width, BLOCK_C=block_c)
-    out = torch.empty(bsz, num_heads, v_dim, dtype=torch.float32, device=qkv.device)
-    block_v = 32
-    _delta_kernel[(bsz, num_heads, v_dim // block_v)](
-        conv, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), state_pool, slots,
-        out, channels, num_heads, num_heads // num_k_heads, num_k_heads, a.stride(0), K=k_dim,
-        V=v_dim, BLOCK_V=block_v, num_warps=4)
-    o = gated_rms_norm_cuda(out, z, norm_w, eps)
-    return o.reshape(bsz, -1)
+    if out is None:
+        out = torch.empty(bsz, num_heads * v_dim, dtype=torch.float32, device=qkv.device)
+    group = num_heads // num_k_heads
+    conv_w = conv_w.float().contiguous()
+    conv = qkv  # unused when the conv is fused
+    if group != 1:
+        conv = torch.empty(bsz, channels, dtype=torch.float32, device=qkv.device)
+        block_c = 256
+        _conv_kernel[(bsz, triton.cdiv(channels, block_c))](
+            qkv, conv_pool, conv_w, slots, conv, channels, qkv.stride(0), W=width,
+            BLOCK_C=block_c)
+    _gdn_step_kernel[(bsz, num_heads)](
+        qkv, qkv.stride(0), conv, conv_pool, conv_w, z, z.stride(0), a, b, a.stride(0),
+        a_log.float().contiguous(), dt_bias.float().contiguous(), state_pool,
+        norm_w.float().contiguous(), slots, out, out.stride(0), channels, num_heads, group,
+        num_k_heads, eps, K=k_dim, V=v_dim, W=width, FUSE_CONV=group == 1, num_warps=NUM_WARPS)
+    return out

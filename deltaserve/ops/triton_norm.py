@@ -1,6 +1,7 @@
 """RMSNorms for CUDA GPUs (Triton): one kernel per norm instead of torch's ~9 (cast, square, mean,
-add, rsqrt, two multiplies, weight offset, cast back), the bulk of a decode step's launches.
-Contracts: ops/norm.rms_norm_ref and ops/norm.gated_rms_norm_ref (tests/ops/test_triton_norm.py).
+add, rsqrt, two multiplies, weight offset, cast back), the bulk of a decode step's launches; the
+residual add before a norm rides in the same kernel. Contracts: ops/norm.rms_norm_ref,
+gated_rms_norm_ref and add_rms_norm_ref (tests/ops/test_triton_norm.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,32 @@ if triton is not None:
             z = tl.load(z_ptr, mask=ok, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_kernel(X, R, W, S, Y, N, eps, offset, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(R + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        # the residual stream is rounded to its dtype first, as `residual + x` in torch would be
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(S + row * N + cols, s, mask=ok)
+        sf = s.to(tl.float32)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
+        y = sf * tl.rsqrt(tl.sum(sf * sf, 0) / N + eps) * w
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/norm.add_rms_norm_ref's contract: (rms_norm(residual + x), residual + x), one kernel."""
+    dim = x.shape[-1]
+    flat_x, flat_r = x.reshape(-1, dim).contiguous(), residual.reshape(-1, dim).contiguous()
+    total, normed = torch.empty_like(flat_r), torch.empty_like(flat_r)
+    _add_rms_kernel[(flat_x.shape[0],)](flat_x, flat_r, weight.contiguous(), total, normed, dim,
+                                        eps, offset, BLOCK=triton.next_power_of_2(dim))
+    return normed.reshape(residual.shape), total.reshape(residual.shape)
 
 
 def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

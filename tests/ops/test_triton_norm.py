@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deltaserve.ops import triton_norm
-from deltaserve.ops.norm import gated_rms_norm_ref, rms_norm_ref
+from deltaserve.ops.norm import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
+from tests.ops.triton_device import KDEV, needs_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +47,19 @@ def test_triton_gated_norm_reads_a_strided_gate_view() -> None:
     out = triton_norm.gated_rms_norm_cuda(x, z, w, 1e-6)
     ref = gated_rms_norm_ref(x, z.reshape(6, 16, 128), w, 1e-6)
     assert rel(out, ref) <= 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_add_rms_norm_matches_reference(dtype) -> None:
+    torch.manual_seed(3)
+    x = (torch.randn(1, 7, 1024, device=KDEV) * 3).to(dtype)
+    res = (torch.randn(1, 7, 1024, device=KDEV) * 3).to(dtype)
+    w = torch.randn(1024, device=KDEV) * 0.1
+    normed, total = triton_norm.add_rms_norm_cuda(x, res, w, 1e-6, 1.0)
+    ref_normed, ref_total = add_rms_norm_ref(x, res, w, 1e-6, 1.0)
+    if KDEV == "cuda":  # the residual stream is the plain sum, rounded once (the interpreter
+        assert torch.equal(total, ref_total)  # rounds fp32 -> bf16 toward zero: within an ulp)
+    assert rel(total, ref_total) <= (0 if dtype == torch.float32 else 8e-3)
+    assert normed.dtype == dtype and rel(normed, ref_normed) <= (1e-6 if dtype == torch.float32
+                                                                 else 8e-3)

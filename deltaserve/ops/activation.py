@@ -1,0 +1,28 @@
+"""The MLP's gate: silu(gate) * up over the two halves of the packed gate|up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.env import env
+
+# CUDA: up to this many rows (decode steps) one Triton kernel; prefill keeps torch's two ops
+CUDA_MAX_ROWS = 512
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> silu(gate) * up [..., I], in gate_up's dtype (torch's two ops)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as silu_mul_ref (the Triton kernel computes in fp32 and rounds once)."""
+    rows = gate_up.numel() // gate_up.shape[-1]
+    if gate_up.device.type == "cuda" and rows <= CUDA_MAX_ROWS and not env().reference_ops:
+        from deltaserve.ops import triton_act
+
+        if triton_act.available():
+            return triton_act.silu_mul_cuda(gate_up)
+    return silu_mul_ref(gate_up)
