@@ -27,6 +27,7 @@ class Env:
     gpu_backend: str  # DELTASERVE_GPU_BACKEND=auto|triton|portable (ops/backend.py)
     # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
     exact_int8_activations: bool
+    fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
 
     @classmethod
     def read(cls) -> Env:
@@ -41,6 +42,7 @@ class Env:
             cuda_graphs=_flag("DELTASERVE_CUDA_GRAPHS", default=True),
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
+            fla=_flag("DELTASERVE_FLA", default=True),
         )
 
 

@@ -110,23 +110,29 @@ def format_dirs(model_dir: Path, formats: list[str]) -> dict[str, Path]:
 
 
 def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: str) -> dict:
-    """Our engine, bf16 activations: prefill tiers (prefix cache off, one chunk up to 8k tokens)
-    and batch-1 decode (a warm-up run captures the CUDA graphs first)."""
+    """Our engine, bf16 activations: prefill tiers (prefix cache off, one chunk up to 8k tokens),
+    batch-1 decode (a warm-up run captures the CUDA graphs first) with its per-component
+    attribution, and batch-1 decode again with the fused greedy head."""
+    from deltaserve.bench.attribution import decode_attribution
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
+    from deltaserve.ops.gdn import fla_usable
 
     llm = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0, max_num_seqs=4,
               max_num_batched_tokens=8192)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model)}
+    probe = torch.zeros(1, dtype=torch.bfloat16, device=device)
+    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model),
+                 "prefill_scan": "fla" if fla_usable(probe) else "torch"}
     for n in lens:
         if n >= llm.max_model_len:
             out[f"prefill_{n}_tok_s"] = None  # beyond this checkpoint's context
             continue
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         llm.generate([ids], one)  # warm-up: kernels for these shapes
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.generate([ids], one)
         out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
@@ -134,7 +140,15 @@ def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: st
     prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
     llm.generate([prompt], params)  # captures the batch-1 graphs
     out["decode_tok_s"] = llm.generate([prompt], params)[0].metrics["decode_tok_s"]
+    out["decode_attribution"] = decode_attribution(llm)
     out["gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    del llm
+    torch.cuda.empty_cache()
+    greedy = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0, max_num_seqs=4,
+                 greedy_head=True)
+    greedy.generate([prompt], params)
+    out["decode_greedy_head_tok_s"] = greedy.generate([prompt], params)[0].metrics["decode_tok_s"]
+    out["decode_greedy_head_attribution"] = decode_attribution(greedy)
     return out
 
 

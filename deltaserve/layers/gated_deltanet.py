@@ -10,7 +10,7 @@ from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_chunked, gdn_gates
+from deltaserve.ops.gdn import gdn_gates, gdn_prefill
 from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_slots
 
 
@@ -63,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         o, conv_window = self._scan(qkv, z, b, a, conv_window, recurrent, x.dtype)
         return self.out_proj(o), conv_window
 
-    def _scan(self, qkv, z, b, a, conv_window, recurrent, dtype, on_boundary=None):
+    def _scan(self, qkv, z, b, a, conv_window, recurrent, dtype, stops=(), on_boundary=None):
         """Prefill mixer: conv, chunked delta rule (state `recurrent` [B,HV,K,V] updated in place),
         gated norm. Returns (o [B,T,HV*V] in dtype, new conv window)."""
         bsz, seq_len, _ = qkv.shape
@@ -72,11 +72,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
         k = k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
         v = v.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
-        if self.num_v_heads != self.num_k_heads:  # value head h reads key head h // (HV/H)
-            repeat = self.num_v_heads // self.num_k_heads
-            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
-        o, final = gdn_chunked(q, k, v, g, beta, recurrent, qk_l2norm=True, on_boundary=on_boundary)
+        o, final = gdn_prefill(q, k, v, g, beta, recurrent, stops, on_boundary)
         recurrent.copy_(final)
         z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
         o = self.norm(o, z, dtype).reshape(bsz, seq_len, self.value_dim)
@@ -111,8 +108,9 @@ class GatedDeltaNet(nn.Module):
                     win = full[0, done : done + width].t().contiguous()
                     snaps.setdefault(pos, {})[layer] = (win, s[0])
 
+            stops = tuple(p - chunk.start_pos for p in chunk.snapshot_at)
             o, new_window = self._scan(qkv[:, span], z[:, span], b[:, span], a[:, span], window,
-                                       state, x.dtype, keep)
+                                       state, x.dtype, stops, keep)
             conv_pool[chunk.slot].copy_(new_window[0])
             out[span] = o[0]
         return self.out_proj(out.unsqueeze(0))

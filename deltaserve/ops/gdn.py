@@ -144,3 +144,48 @@ def gdn_chunked(
             on_boundary((c + 1) * chunk_len, s)
     out = out.reshape(bsz, num_heads, -1, v_dim)[:, :, :seq_len].transpose(1, 2)
     return out, s
+
+
+def fla_usable(q: torch.Tensor) -> bool:
+    """fla-core's chunk kernel for the prefill scan: CUDA, 16-bit activations (in fp32 mode its
+    tensor-core dots would round to TF32; the torch scan keeps fp32 exact), the triton backend."""
+    import importlib.util
+
+    from deltaserve.env import env
+    from deltaserve.ops.backend import triton_enabled
+
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and env().fla
+            and not env().reference_ops and triton_enabled()
+            and importlib.util.find_spec("fla") is not None)
+
+
+def gdn_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill scan with qk L2 norms. q, k [B,T,H,K] (H key heads: value head h reads key
+    head h // (HV/H)); v [B,T,HV,V]; g, beta [B,T,HV] fp32; state [B,HV,K,V] fp32 (read, not
+    written). Returns (o [B,T,HV,V], final state fp32); on_boundary(n, state) is called at least
+    at each n in `stops` (token counts, sorted, in (0, T]).
+
+    fla-core's kernel where fla_usable (one call per segment between stops), else gdn_chunked."""
+    repeat = v.shape[2] // q.shape[2]
+    if not fla_usable(q):
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        return gdn_chunked(q, k, v, g, beta, state, qk_l2norm=True, on_boundary=on_boundary)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    seq_len, outs, start, s = q.shape[1], [], 0, state
+    for stop in [*stops, seq_len]:
+        if stop <= start:
+            continue
+        part = slice(start, stop)
+        o, s = chunk_gated_delta_rule(
+            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part].to(q.dtype),
+            initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+        if on_boundary is not None and stop in stops:
+            on_boundary(stop, s)
+        start = stop
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), s

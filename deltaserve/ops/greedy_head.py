@@ -29,7 +29,33 @@ def _rows_of(module, start: int, end: int):
 
 def greedy_tokens(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torch.Tensor:
     """h [R, N] final hidden states; head: the module whose weight [vocab, N] maps them to logits
-    (maybe quantized). Returns argmax tokens [R] int64."""
+    (maybe quantized). Returns argmax tokens [R] int64. On CUDA (Triton) the head and the argmax
+    are one kernel (ops/triton_head); elsewhere greedy_tokens_ref."""
+    fused = _fused_head(h, head)
+    if fused is not None:
+        return fused(h)
+    return greedy_tokens_ref(h, head, tile_rows)
+
+
+def _fused_head(h: torch.Tensor, head):
+    from deltaserve.env import env
+    from deltaserve.ops import triton_head
+
+    if not h.is_cuda or env().reference_ops or not triton_head.available():
+        return None
+    if h.shape[0] > triton_head.MAX_ROWS:
+        return None
+    scheme = getattr(head, "scheme", None)
+    if scheme is None:
+        return lambda x: triton_head.greedy_dense_cuda(x, head.weight)
+    if (scheme.kind, scheme.bits) in (("int8", 8), ("affine", 4)) and h.shape[0] <= 8:
+        return lambda x: triton_head.greedy_packed_cuda(x, head)
+    return None
+
+
+def greedy_tokens_ref(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """The head in tiles of `tile_rows` vocabulary rows by the same kernels as the full head,
+    a running maximum per row: equal to argmax of the materialised logits."""
     from deltaserve.layers.linear import linear
     from deltaserve.quant.linear import quant_linear
 

@@ -34,9 +34,9 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _gemv_kernel(W, S, B, X, Y, N, K, G: tl.constexpr, BITS: tl.constexpr,
+    def _gemv_kernel(W, S, B, X, Y, YI, N, K, G: tl.constexpr, BITS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     MAGIC: tl.constexpr):
+                     MAGIC: tl.constexpr, ARGMAX: tl.constexpr):
         NG: tl.constexpr = BLOCK_K // G
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +69,13 @@ if triton is not None:
                 x = tl.load(X + cols, mask=cols < K, other=0.0)
                 xsum = tl.sum(tl.reshape(x, (NG, G)), axis=1)
                 acc += tl.load(B + g_off, mask=g_ok, other=0.0) * xsum[None, :]
-        tl.store(Y + rows, tl.sum(acc, axis=1), mask=row_ok)
+        y = tl.sum(acc, axis=1)
+        if ARGMAX:  # the greedy head: this block's maximum and its row, not the logits
+            y = tl.where(row_ok, y, float("-inf"))
+            tl.store(Y + pid, tl.max(y, 0))
+            tl.store(YI + pid, pid * BLOCK_N + tl.argmax(y, 0, tie_break_left=True))
+        else:
+            tl.store(Y + rows, y, mask=row_ok)
 
 
 # (bits, K, N window [lo, hi)) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, magic): the best
@@ -103,17 +109,33 @@ def config_for(bits: int, n: int, k: int) -> Config:
 def qgemv_cuda(x: torch.Tensor, p: dict, scheme,
                config: Config | None = None) -> torch.Tensor:
     """x [1, K] fp32 on CUDA, packed int8 or 4-bit affine weights -> [1, N] fp32."""
-    w = p["weight"]
-    if scheme.kind == "affine":
-        w = w.view(torch.int32)
+    w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
     n = w.shape[0]
-    k = x.shape[-1]
-    block_n, block_k, warps, stages, magic = config or config_for(scheme.bits, n, k)
-    block_k = max(block_k, scheme.group_size)
+    config = config or config_for(scheme.bits, n, x.shape[-1])
     y = torch.empty(1, n, dtype=torch.float32, device=x.device)
-    biases = p.get("biases", p["scales"])
-    grid = (triton.cdiv(n, block_n),)
-    _gemv_kernel[grid](w, p["scales"], biases, x.contiguous(), y, n, k, G=scheme.group_size,
-                       BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n,
-                       BLOCK_K=block_k, MAGIC=magic, num_warps=warps, num_stages=stages)
+    _launch(x, p, scheme, w, y, y, config, False)
     return y
+
+
+def qgemv_argmax_cuda(x: torch.Tensor, p: dict, scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMV with the greedy head's epilogue: x [1, K] -> per block of BLOCK_N rows the largest
+    logit and its row (first on ties), ([1, blocks] fp32, [1, blocks] int32)."""
+    w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
+    config = config_for(scheme.bits, w.shape[0], x.shape[-1])
+    blocks = triton.cdiv(w.shape[0], config[0])
+    vals = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(1, blocks, dtype=torch.int32, device=x.device)
+    _launch(x, p, scheme, w, vals, idx, config, True)
+    return vals, idx
+
+
+def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,
+            config: Config, argmax: bool) -> None:
+    block_n, block_k, warps, stages, magic = config
+    block_k = max(block_k, scheme.group_size)
+    n, k = w.shape[0], x.shape[-1]
+    biases = p.get("biases", p["scales"])
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        w, p["scales"], biases, x.contiguous(), y, yi, n, k, G=scheme.group_size,
+        BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
+        MAGIC=magic, ARGMAX=argmax, num_warps=warps, num_stages=stages)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
-from deltaserve.ops import triton_qgemv
+from deltaserve.ops import triton_qgemm, triton_qgemv
 from deltaserve.ops.qgemv import dequantize_into, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
@@ -80,9 +80,22 @@ def decode_gemv(x: torch.Tensor, scheme):
     return None
 
 
+def _batch_gemm(x: torch.Tensor, scheme) -> bool:
+    """A decode batch of rows on CUDA with int8 weights: the Triton GEMM that dequantizes in
+    registers (ops/triton_qgemm) instead of a dequantized copy per step."""
+    from deltaserve.env import env
+
+    return (x.device.type == "cuda" and scheme.kind == "int8" and not env().reference_ops
+            and triton_qgemm.available())
+
+
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
     rows = x.numel() // x.shape[-1]
+    if 1 < rows <= triton_qgemm.MAX_ROWS and _batch_gemm(x, module.scheme):
+        flat = x.reshape(rows, x.shape[-1])
+        out = triton_qgemm.qgemm_cuda(flat, packed(module), module.scheme)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     max_rows = CPU_GEMV_MAX_ROWS if x.device.type == "cpu" else WIDEN_MIN_ROWS - 1
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:

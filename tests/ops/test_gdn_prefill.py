@@ -1,0 +1,64 @@
+"""The prefill scan dispatcher: the torch path (CPU, fp32) equals gdn_chunked and reports every
+wanted stop; fla-core's kernel (H200, bf16) against the fp32 scan on the same inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from deltaserve.ops.gdn import gdn_chunked, gdn_prefill
+
+
+def _inputs(device, dtype, seq_len=200, heads_k=2, heads_v=4, dim=64):
+    torch.manual_seed(seq_len)
+    q = torch.randn(1, seq_len, heads_k, dim, device=device).to(dtype)
+    k = torch.randn(1, seq_len, heads_k, dim, device=device).to(dtype)
+    v = torch.randn(1, seq_len, heads_v, dim, device=device).to(dtype)
+    g = -torch.rand(1, seq_len, heads_v, device=device) * 0.5
+    beta = torch.rand(1, seq_len, heads_v, device=device)
+    state = torch.randn(1, heads_v, dim, dim, device=device) * 0.1
+    return q, k, v, g, beta, state
+
+
+def _reference(q, k, v, g, beta, state):
+    rep = v.shape[2] // q.shape[2]
+    seen = {}
+    o, final = gdn_chunked(q.float().repeat_interleave(rep, 2), k.float().repeat_interleave(rep, 2),
+                           v.float(), g, beta, state.clone(), qk_l2norm=True,
+                           on_boundary=lambda n, s: seen.setdefault(n, s.clone()))
+    return o, final, seen
+
+
+def test_torch_path_equals_the_chunked_scan_and_reports_stops() -> None:
+    q, k, v, g, beta, state = _inputs("cpu", torch.float32)
+    got = {}
+    o, final = gdn_prefill(q, k, v, g, beta, state, (64, 192),
+                           lambda n, s: got.setdefault(n, s.clone()))
+    ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
+    assert torch.equal(o, ref_o) and torch.equal(final, ref_final)
+    assert {64, 192} <= set(got) and torch.equal(got[192], seen[192])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("stops", [(), (64, 128)])
+def test_fla_path_matches_the_fp32_scan(stops) -> None:
+    from deltaserve.ops.gdn import fla_usable
+
+    q, k, v, g, beta, state = _inputs("cuda", torch.bfloat16)
+    assert fla_usable(q)
+    got = {}
+    o, final = gdn_prefill(q, k, v, g, beta, state.clone(), stops,
+                           lambda n, s: got.setdefault(n, s.clone()))
+    ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(o, ref_o) <= 2e-2 and rel(final, ref_final) <= 2e-2
+    assert set(got) == set(stops)
+    for n in stops:
+        assert rel(got[n], seen[n]) <= 2e-2
