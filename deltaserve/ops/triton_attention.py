@@ -118,7 +118,9 @@ if triton is not None:
         acc = tl.load(AP + (head * SPLITS + sp[:, None]) * D + ds[None, :], mask=ok[:, None],
                       other=0.0)
         o = tl.sum(acc * w[:, None], 0) / tl.sum(den * w, 0)
-        row = tl.load(ROWS + b) if HAS_ROWS else b
+        row = b
+        if HAS_ROWS:
+            row = tl.load(ROWS + b)
         gate = tl.load(P + row * P_STRIDE + h * 2 * D + D + ds).to(tl.float32)
         o = o / (1.0 + tl.exp(-gate))
         tl.store(OUT + row * OUT_STRIDE + h * D + ds, o.to(OUT.dtype.element_ty))

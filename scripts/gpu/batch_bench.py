@@ -4,7 +4,8 @@ installed) in the same run, and time to first token behind a cached 4k-token sys
     python3 scripts/gpu/batch_bench.py --out $OUT/batch_bench.json
 
 0.8B-shape synthetic checkpoint in bf16, 16-token random prompts, 64 greedy tokens, EOS ignored;
-eager (no CUDA graphs yet: issue 6), the GDN decode step through the torch reference on GPU.
+decode steps replayed from CUDA graphs. With --int8 the same checkpoint quantized to int8 runs
+the same batches too (no peer: transformers has no int8 path of this format).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--peer-batches", default="1,8,32")
+    ap.add_argument("--int8", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp()) / "q08"
     write_checkpoint(preset("qwen3.5-0.8b"), work, seed=0)
@@ -41,6 +43,13 @@ def main() -> None:
               "workload": {"prompt_len": 16, "decode_tokens": 64, "eos": "ignored"}}
     record["ours"] = _ours_batch(work, "bfloat16", batches, 64, device="cuda")
     print(json.dumps(record["ours"]), flush=True)
+    if args.int8:
+        from deltaserve.quant.convert import quantize_checkpoint
+
+        quantize_checkpoint(work, "int8", work.parent / "q08-int8")
+        record["ours_int8"] = _ours_batch(work.parent / "q08-int8", "bfloat16", batches, 64,
+                                          device="cuda")
+        print("int8", json.dumps(record["ours_int8"]), flush=True)
     record["shared_prefix"] = shared_prefix_ttft(work, "bfloat16", 4096, device="cuda")
     print(json.dumps(record["shared_prefix"]), flush=True)
     peer = [int(b) for b in args.peer_batches.split(",")]

