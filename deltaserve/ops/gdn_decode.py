@@ -91,7 +91,7 @@ def gdn_decode_slots(
     if qkv.device.type == "cuda" and not env().reference_ops:
         from deltaserve.ops import triton_gdn_decode
 
-        if triton_gdn_decode.available():
+        if triton_gdn_decode.available() and conv_pool.shape[-1] == 3:  # width-4 kernels
             return triton_gdn_decode.gdn_decode_slots_cuda(
                 qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots, norm_w, eps,
                 num_k_heads, out)

@@ -7,7 +7,8 @@ window shift in its pool slot, SiLU, the q/k L2 norms, decay and beta, the delta
 matrix in place, the output row, the gated RMSNorm over it and the store in the caller's dtype.
 Fusing the conv needs each program to own its q/k channels, i.e. one value head per key head
 (Qwen3.5-0.8B and 2B); with grouped value heads the conv runs first as its own kernel, since the
-programs of a group would race on the shared window.
+programs of a group would race on the shared window. Conv width 4 (every Qwen3.5 config); other
+widths take the torch reference (ops/gdn_decode).
 """
 
 from __future__ import annotations
@@ -23,17 +24,24 @@ if triton is not None:
 
     @triton.jit
     def _conv_taps(x_row, win, cw, cols, ok, W: tl.constexpr):
-        """Causal conv of channels `cols` (tap W-1 = the new input), window shifted in place;
-        returns SiLU of the sum in fp32."""
-        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = x * tl.load(cw + cols * W + (W - 1), mask=ok, other=0.0)
-        prev = tl.load(win + cols * (W - 1), mask=ok, other=0.0).to(tl.float32)
-        acc += prev * tl.load(cw + cols * W, mask=ok, other=0.0)
-        for t in tl.static_range(1, W - 1):
-            cur = tl.load(win + cols * (W - 1) + t, mask=ok, other=0.0)
-            acc += cur.to(tl.float32) * tl.load(cw + cols * W + t, mask=ok, other=0.0)
-            tl.store(win + cols * (W - 1) + t - 1, cur, mask=ok)
-        tl.store(win + cols * (W - 1) + (W - 2), x.to(win.dtype.element_ty), mask=ok)
+        """Causal conv of channels `cols` (width 4: three window taps, then the new input), the
+        window shifted in place; returns SiLU of the sum in fp32. Every load comes before the
+        barrier and every store after it: threads holding replicas of a channel (a vector
+        narrower than the program's threads) would otherwise read a tap another already moved."""
+        tl.static_assert(W == 4)
+        base = win + cols * (W - 1)
+        x = tl.load(x_row + cols, mask=ok, other=0.0)
+        t0 = tl.load(base, mask=ok, other=0.0)
+        t1 = tl.load(base + 1, mask=ok, other=0.0)
+        t2 = tl.load(base + 2, mask=ok, other=0.0)
+        acc = t0.to(tl.float32) * tl.load(cw + cols * W, mask=ok, other=0.0)
+        acc += t1.to(tl.float32) * tl.load(cw + cols * W + 1, mask=ok, other=0.0)
+        acc += t2.to(tl.float32) * tl.load(cw + cols * W + 2, mask=ok, other=0.0)
+        acc += x.to(tl.float32) * tl.load(cw + cols * W + 3, mask=ok, other=0.0)
+        tl.debug_barrier()
+        tl.store(base, t1, mask=ok)
+        tl.store(base + 1, t2, mask=ok)
+        tl.store(base + 2, x.to(win.dtype.element_ty), mask=ok)
         return acc / (1.0 + tl.exp(-acc))
 
     @triton.jit
@@ -74,6 +82,7 @@ if triton is not None:
         s = tl.load(ptrs) * decay  # [K, V]
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s += k[:, None] * delta[None, :]
+        tl.debug_barrier()  # (as in the conv: no replica stores before all have loaded)
         tl.store(ptrs, s)
         o = tl.sum(s * q[:, None], 0)  # [V]
         # gated RMSNorm over the head's V outputs: rms_norm(o) * w * silu(z), plain w

@@ -54,7 +54,8 @@ def qgemm_cuda(x: torch.Tensor, p: dict, scheme) -> torch.Tensor:
     block_n = 32 if block_m <= 64 else 64
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    fp32 = x.dtype == torch.float32  # 4-byte tiles: fewer stages fit in shared memory
     _qgemm_kernel[grid](x.contiguous(), w, p["scales"], y, rows, n, k, G=scheme.group_size,
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3)
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if fp32 else 128, IEEE=fp32,
+                        num_warps=4, num_stages=2 if fp32 else 3)
     return y
