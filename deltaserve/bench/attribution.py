@@ -47,6 +47,12 @@ def attribute(kernels: list[tuple[str, float, float]], wall_us: float) -> dict:
     return out
 
 
+def _cuda_kernels(prof) -> list[tuple[str, float, float]]:
+    return [(e.name, e.time_range.start, e.time_range.elapsed_us())
+            for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
 def profile_graph(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> dict:
     """Replays `graph` (wall time per replay from CUDA events), then once under the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -63,10 +69,23 @@ def profile_graph(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us())
-               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return attribute(kernels, wall_us)
+    return attribute(_cuda_kernels(prof), wall_us)
+
+
+def profile_call(fn) -> dict:
+    """One eager call (e.g. a prefill) under the profiler: kernel time per component, and the
+    rest of its wall time (host-side Python and launches the GPU waited for) as gaps."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    return attribute(_cuda_kernels(prof), wall_us)
 
 
 def decode_attribution(llm) -> dict | None:

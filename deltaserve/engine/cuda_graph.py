@@ -13,6 +13,7 @@ import torch
 from deltaserve.cache.batch import StepBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+FIELDS = ("ids", "slots", "positions", "kv_blocks", "kv_rows", "lengths")  # [B] each
 
 
 def _bucket(n: int, buckets) -> int | None:
@@ -43,20 +44,14 @@ class DecodeGraphs:
         graph, static, logits = self.graphs[key]
         block_len = self.cache.kv.block_len
         pad = bsz - num
-        host = {
-            "ids": ids + [0] * pad,
-            "slots": slots + [self.spare_slot] * pad,
-            "positions": positions + [0] * pad,
-            "kv_blocks": [t[p // block_len] for t, p in zip(tables, positions, strict=True)]
-            + [self.spare_block] * pad,
-            "kv_rows": [p % block_len for p in positions] + [0] * pad,
-            "lengths": [p + 1 for p in positions] + [1] * pad,
-        }
-        for name, values in host.items():
-            static[name].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
         padded = [list(t) + [self.spare_block] * (width - len(t)) for t in tables]
         padded += [[self.spare_block] * width] * pad
-        static["tables"].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        host = [*ids, *[0] * pad, *slots, *[self.spare_slot] * pad, *positions, *[0] * pad,
+                *[t[p // block_len] for t, p in zip(tables, positions, strict=True)],
+                *[self.spare_block] * pad, *[p % block_len for p in positions], *[0] * pad,
+                *[p + 1 for p in positions], *[1] * pad, *[b for row in padded for b in row]]
+        # one host-to-device copy for every input (in FIELDS order, then the tables)
+        static["packed"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         graph.replay()
         return logits[:num]
 
@@ -75,13 +70,14 @@ class DecodeGraphs:
 
     def _capture(self, bsz: int, width: int):
         device = self.model.device
-        static = {name: torch.zeros(bsz, dtype=torch.long, device=device)
-                  for name in ("ids", "slots", "positions", "kv_blocks", "kv_rows")}
-        static["lengths"] = torch.ones(bsz, dtype=torch.long, device=device)
-        static["slots"].fill_(self.spare_slot)
-        static["kv_blocks"].fill_(self.spare_block)
-        static["tables"] = torch.full((bsz, width), self.spare_block, dtype=torch.long,
-                                      device=device)
+        packed = torch.empty((len(FIELDS) + width) * bsz, dtype=torch.long, device=device)
+        static = {name: packed[i * bsz : (i + 1) * bsz] for i, name in enumerate(FIELDS)}
+        static["tables"] = packed[len(FIELDS) * bsz :].view(bsz, width)
+        static["packed"] = packed
+        for name, value in (("ids", 0), ("slots", self.spare_slot), ("positions", 0),
+                            ("kv_blocks", self.spare_block), ("kv_rows", 0), ("lengths", 1),
+                            ("tables", self.spare_block)):
+            static[name].fill_(value)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture

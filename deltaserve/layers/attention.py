@@ -9,11 +9,11 @@ from torch import nn
 from deltaserve.cache.batch import StepBatch
 from deltaserve.cache.state import KVCache
 from deltaserve.config import TextConfig
-from deltaserve.env import env
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import apply_rotary
 from deltaserve.ops.attention import causal_attention
+from deltaserve.ops.norm import cuda_kernel_rows
 
 
 class GatedAttention(nn.Module):
@@ -115,11 +115,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(out[None])
 
 
-FUSED_MAX_TOKENS = 512  # longer steps (prefill) keep the torch norms, as transformers runs them
-
-
 def _fused(x: torch.Tensor) -> bool:
-    if not x.is_cuda or x.shape[1] > FUSED_MAX_TOKENS or env().reference_ops:
+    """Triton prologue for decode-sized steps and any 16-bit step; fp32 prefill keeps the torch
+    norms, as transformers runs them (ops/norm.cuda_kernel_rows)."""
+    if not cuda_kernel_rows(x):
         return False
     from deltaserve.ops import triton_attention
 
@@ -129,7 +128,7 @@ def _fused(x: torch.Tensor) -> bool:
 def _rotary_batch(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1,HQ,T,D], k [1,HKV,T,D]; on CUDA for decode-sized steps one Triton kernel each."""
     cos, sin = cos_sin
-    if q.is_cuda and q.shape[2] <= 512:
+    if q.is_cuda and (q.shape[2] <= 512 or q.dtype != torch.float32):
         from deltaserve.ops import triton_rope
 
         if triton_rope.available():

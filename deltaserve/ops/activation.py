@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.env import env
-
-# CUDA: up to this many rows (decode steps) one Triton kernel; prefill keeps torch's two ops
-CUDA_MAX_ROWS = 512
+from deltaserve.ops.norm import cuda_kernel_rows
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -19,8 +16,7 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Same contract as silu_mul_ref (the Triton kernel computes in fp32 and rounds once)."""
-    rows = gate_up.numel() // gate_up.shape[-1]
-    if gate_up.device.type == "cuda" and rows <= CUDA_MAX_ROWS and not env().reference_ops:
+    if cuda_kernel_rows(gate_up):
         from deltaserve.ops import triton_act
 
         if triton_act.available():

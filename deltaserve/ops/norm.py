@@ -9,9 +9,17 @@ from deltaserve.env import env
 from deltaserve.ops.native import native_lib
 
 NATIVE_MAX_ROWS = 8
-# CUDA: decode-sized inputs (a step's sequences) take the one-kernel Triton norm; prefill keeps
-# torch's reduction, the one transformers runs (fp32 parity margins).
+# CUDA: decode-sized inputs (a step's sequences) and every 16-bit input take the one-kernel Triton
+# norm; fp32 prefill keeps torch's reduction, the one transformers runs (fp32 parity margins).
 CUDA_MAX_ROWS = 512
+
+
+def cuda_kernel_rows(x: torch.Tensor) -> bool:
+    """Whether a CUDA input of this many rows and this dtype takes the Triton elementwise kernels
+    (norms, silu*mul, rotary, the attention prologue) rather than torch's ops."""
+    rows = x.numel() // x.shape[-1]
+    return x.is_cuda and (rows <= CUDA_MAX_ROWS or x.dtype != torch.float32) \
+        and not env().reference_ops
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -28,6 +36,17 @@ def gated_rms_norm_ref(
     return rms_norm_ref(x.float(), weight, eps, 0.0) * F.silu(z.float())
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """Same contract as gated_rms_norm_ref: one Triton kernel on CUDA (as cuda_kernel_rows)."""
+    if cuda_kernel_rows(x):
+        from deltaserve.ops import triton_norm
+
+        if triton_norm.available():
+            return triton_norm.gated_rms_norm_cuda(x, z, weight, eps)
+    return gated_rms_norm_ref(x, z, weight, eps)
+
+
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm block seam: total = residual + x (in residual's dtype), returns
@@ -40,8 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as add_rms_norm_ref: one Triton kernel for decode-sized CUDA inputs, else the
     add and rms_norm (native on CPU)."""
-    rows = x.numel() // x.shape[-1]
-    if x.device.type == "cuda" and rows <= CUDA_MAX_ROWS and not env().reference_ops:
+    if cuda_kernel_rows(x):
         from deltaserve.ops import triton_norm
 
         if triton_norm.available():
@@ -54,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     """Same contract as rms_norm_ref: one native call on CPU fp32 (decode runs ~49 norms per token)."""
     lib = native_lib()
     rows = x.numel() // x.shape[-1]
-    if x.device.type == "cuda" and rows <= CUDA_MAX_ROWS and not env().reference_ops:
+    if cuda_kernel_rows(x):
         from deltaserve.ops import triton_norm
 
         if triton_norm.available():

@@ -70,7 +70,7 @@ def greedy_packed_cuda(h: torch.Tensor, module) -> torch.Tensor:
     from deltaserve.quant.linear import packed
 
     p = packed(module)
-    parts = [qgemv_argmax_cuda(h[r : r + 1].float(), p, module.scheme) for r in range(h.shape[0])]
+    parts = [qgemv_argmax_cuda(h[r : r + 1], p, module.scheme) for r in range(h.shape[0])]
     vals = torch.cat([v for v, _ in parts])
     idx = torch.cat([i for _, i in parts])
     return _pick(vals, idx)

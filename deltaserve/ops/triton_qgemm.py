@@ -34,9 +34,12 @@ if triton is not None:
                         other=0.0)
             q = tl.load(W + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0)
-            scale = tl.load(S + rn[:, None] * num_groups + rk[None, :] // G,
-                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            w = (q.to(tl.float32) * scale).to(X.dtype.element_ty)  # [BN, BK]
+            # one scale per (row, group), broadcast over the group's G codes
+            gidx = k0 // G + tl.arange(0, BLOCK_K // G)
+            scale = tl.load(S + rn[:, None] * num_groups + gidx[None, :],
+                            mask=n_ok[:, None] & (gidx < num_groups)[None, :], other=0.0)
+            w = tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // G, G)) * scale[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(X.dtype.element_ty)  # [BN, BK]
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:

@@ -51,7 +51,7 @@ if triton is not None:
                 cols = k0 + tl.arange(0, BLOCK_K)
                 q = tl.load(W + rows[:, None] * K + cols[None, :],
                             mask=row_ok[:, None] & (cols < K)[None, :], other=0)
-                x = tl.load(X + cols, mask=cols < K, other=0.0)
+                x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
                 part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
             else:
                 wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -60,13 +60,13 @@ if triton is not None:
                                 mask=row_ok[:, None] & w_ok[None, :], other=0)
                 prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
                 for j in tl.static_range(8):
-                    xj = tl.load(X + wcols * 8 + j, mask=w_ok, other=0.0)
+                    xj = tl.load(X + wcols * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
                     prod += _to_float((words >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
                 part = tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 8)), axis=2)
             acc += part * tl.load(S + g_off, mask=g_ok, other=0.0)
             if HAS_BIAS:
                 cols = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + cols, mask=cols < K, other=0.0)
+                x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
                 xsum = tl.sum(tl.reshape(x, (NG, G)), axis=1)
                 acc += tl.load(B + g_off, mask=g_ok, other=0.0) * xsum[None, :]
         y = tl.sum(acc, axis=1)
@@ -75,7 +75,7 @@ if triton is not None:
             tl.store(Y + pid, tl.max(y, 0))
             tl.store(YI + pid, pid * BLOCK_N + tl.argmax(y, 0, tie_break_left=True))
         else:
-            tl.store(Y + rows, y, mask=row_ok)
+            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 # (bits, K, N window [lo, hi)) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, magic): the best
@@ -108,11 +108,12 @@ def config_for(bits: int, n: int, k: int) -> Config:
 
 def qgemv_cuda(x: torch.Tensor, p: dict, scheme,
                config: Config | None = None) -> torch.Tensor:
-    """x [1, K] fp32 on CUDA, packed int8 or 4-bit affine weights -> [1, N] fp32."""
+    """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8 or 4-bit affine weights
+    -> [1, N] in x's dtype (no cast kernels around the GEMV)."""
     w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
     n = w.shape[0]
     config = config or config_for(scheme.bits, n, x.shape[-1])
-    y = torch.empty(1, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _launch(x, p, scheme, w, y, y, config, False)
     return y
 

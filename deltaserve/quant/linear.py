@@ -100,7 +100,9 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))
-    flat = x.reshape(rows, x.shape[-1]).float()  # the GEMVs take fp32 x, give fp32 y
+    flat = x.reshape(rows, x.shape[-1])
+    if x.device.type == "cpu":  # the CPU GEMVs take fp32 x, give fp32 y; CUDA's keep x's dtype
+        flat = flat.float()
     p = packed(module)
     if rows == 1:  # the decode case: a cat of one tensor still costs a copy and ~12 us
         out = gemv(flat, p, module.scheme)

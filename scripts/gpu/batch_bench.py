@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--peer-batches", default="1,8,32")
+    ap.add_argument("--peer-batches", default="1,8,32", help='"none": no transformers run')
     ap.add_argument("--int8", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp()) / "q08"
@@ -52,9 +52,10 @@ def main() -> None:
         print("int8", json.dumps(record["ours_int8"]), flush=True)
     record["shared_prefix"] = shared_prefix_ttft(work, "bfloat16", 4096, device="cuda")
     print(json.dumps(record["shared_prefix"]), flush=True)
-    peer = [int(b) for b in args.peer_batches.split(",")]
-    record["transformers"] = _transformers_batch(work, "bfloat16", peer, 64, device="cuda")
-    print(json.dumps(record["transformers"]), flush=True)
+    if args.peer_batches != "none":
+        peer = [int(b) for b in args.peer_batches.split(",")]
+        record["transformers"] = _transformers_batch(work, "bfloat16", peer, 64, device="cuda")
+        print(json.dumps(record["transformers"]), flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
 
 

@@ -2,6 +2,7 @@
 # Device calls that check and time everything GPU-side, results under $OUT (carry [".whl"]):
 #   bash scripts/gpu/session.sh check   # gpu-marked tests + scripts/gpu/parity.py
 #   bash scripts/gpu/session.sh bench   # bench --device cuda (0.8B, 2B, portable) + batch bench
+#   bash scripts/gpu/session.sh ours    # the 0.8B bench and the batch bench without the peers
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -33,5 +34,11 @@ bench)
         --decode-tokens 128 --formats bf16 --prefill-lens 2048,8192 --peer none \
         --out "$OUT/bench-cuda-portable.json" 2>&1 | quiet 8
     python3 scripts/gpu/batch_bench.py --int8 --out "$OUT/batch-bench.json" 2>&1 | quiet 6
+    ;;
+ours)  # our engine only (the peers measured by `bench` earlier the same day)
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --peer none \
+        --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 4
+    python3 scripts/gpu/batch_bench.py --int8 --peer-batches none --out "$OUT/batch-bench.json" \
+        2>&1 | quiet 6
     ;;
 esac

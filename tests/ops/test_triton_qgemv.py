@@ -8,19 +8,35 @@ import torch
 from deltaserve.ops import triton_qgemv
 from deltaserve.ops.qgemv import qgemv_ref
 from deltaserve.quant.schemes import FORMATS, quantize
+from tests.ops.triton_device import KDEV, needs_kernels
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(not triton_qgemv.available(), reason="needs CUDA and Triton")
+@needs_kernels
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize(("rows", "cols"), [(37, 384), (6144, 1024), (1024, 3584)])
 @pytest.mark.parametrize("config", [None, (1, 1024, 1, 1, 0), (8, 256, 4, 2, 1), (32, 128, 8, 3, 1)])
 def test_triton_qgemv_matches_the_reference(fmt, rows, cols, config) -> None:
     torch.manual_seed(rows)
     scheme = FORMATS[fmt]
-    packed = {k: (v.float() if v.is_floating_point() else v).cuda()
+    packed = {k: (v.float() if v.is_floating_point() else v).to(KDEV)
               for k, v in quantize(torch.randn(rows, cols), scheme).items()}
-    x = torch.randn(1, cols, device="cuda")
+    x = torch.randn(1, cols, device=KDEV)
     out, ref = triton_qgemv.qgemv_cuda(x, packed, scheme, config), qgemv_ref(x, packed, scheme)
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_qgemv_keeps_a_16_bit_activation_dtype(fmt) -> None:
+    """bf16 x in, bf16 y out: the fp32 math happens inside the kernel, no cast kernels around it."""
+    torch.manual_seed(4)
+    scheme = FORMATS[fmt]
+    packed = {k: (v.float() if v.is_floating_point() else v).to(KDEV)
+              for k, v in quantize(torch.randn(300, 256), scheme).items()}
+    x = torch.randn(1, 256, device=KDEV).to(torch.bfloat16)
+    out = triton_qgemv.qgemv_cuda(x, packed, scheme)
+    ref = qgemv_ref(x.float(), packed, scheme)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 8e-3
