@@ -28,6 +28,7 @@ class Env:
     # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
     exact_int8_activations: bool
     fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
+    git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
 
     @classmethod
     def read(cls) -> Env:
@@ -43,6 +44,7 @@ class Env:
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
             fla=_flag("DELTASERVE_FLA", default=True),
+            git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
         )
 
 

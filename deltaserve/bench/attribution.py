@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 COMPONENTS = (  # (component, substrings of kernel names), first match wins
-    ("gdn", ("_gdn_step_kernel", "_conv_kernel", "chunk_gated_delta", "fla")),
+    ("gdn", ("_delta_kernel", "_out_kernel", "chunk_gated_delta", "chunk_fwd", "chunk_local",
+             "recompute_w_u", "solve_tril", "fwd_h", "fwd_o", "fwd_intra", "l2norm")),
     ("attention", ("_prep_kernel", "_paged_kernel", "_combine_kernel", "flash", "fmha",
                    "attention", "_rope_kernel")),
     ("norm", ("_add_rms_kernel", "_rms_kernel")),
@@ -44,6 +45,11 @@ def attribute(kernels: list[tuple[str, float, float]], wall_us: float) -> dict:
         busy += dur
     out["busy_us"] = busy
     out["gaps_us"] = max(0.0, wall_us - busy)
+    other: dict[str, float] = {}
+    for name, _, dur in kernels:
+        if component_of(name) == "other":
+            other[name[:80]] = other.get(name[:80], 0.0) + dur
+    out["top_other_us"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:8])
     return out
 
 

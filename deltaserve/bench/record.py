@@ -13,6 +13,12 @@ from deltaserve.checkpoint.fingerprint import checkpoint_fingerprint  # noqa: F4
 
 
 def git_commit() -> str:
+    """HEAD (+ "-dirty"), or DELTASERVE_GIT_COMMIT where the checkout's .git is not the tree's own
+    (the device machine receives a copy of the working tree with a stale .git)."""
+    from deltaserve.env import env
+
+    if env().git_commit:
+        return env().git_commit
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(

@@ -97,20 +97,27 @@ class GatedDeltaNet(nn.Module):
             chunk, span = batch.chunks[i], batch.span(i)
             window = conv_pool[chunk.slot : chunk.slot + 1]
             state = state_pool[chunk.slot : chunk.slot + 1]
-            full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv[:, span]], dim=1)
-            snaps = batch.snapshots.setdefault(i, {})
-            width = window.shape[-1]
-
-            def keep(done: int, s: torch.Tensor, chunk=chunk, full=full, snaps=snaps,
-                     width=width) -> None:
-                pos = chunk.start_pos + done
-                if pos in chunk.snapshot_at:  # the window then = the W-1 inputs before pos
-                    win = full[0, done : done + width].t().contiguous()
-                    snaps.setdefault(pos, {})[layer] = (win, s[0])
-
             stops = tuple(p - chunk.start_pos for p in chunk.snapshot_at)
+            keep = self._snapshot_keeper(batch, i, layer, window, qkv[:, span]) if stops else None
             o, new_window = self._scan(qkv[:, span], z[:, span], b[:, span], a[:, span], window,
                                        state, x.dtype, stops, keep)
             conv_pool[chunk.slot].copy_(new_window[0])
             out[span] = o[0]
         return self.out_proj(out.unsqueeze(0))
+
+    @staticmethod
+    def _snapshot_keeper(batch: StepBatch, i: int, layer: int, window: torch.Tensor,
+                         qkv: torch.Tensor):
+        """on_boundary for chunk i: keeps (conv window, state) at the chunk's snapshot positions
+        in batch.snapshots[i][position][layer] (the window then = the W-1 inputs before it)."""
+        chunk, width = batch.chunks[i], window.shape[-1]
+        full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
+        snaps = batch.snapshots.setdefault(i, {})
+
+        def keep(done: int, s: torch.Tensor) -> None:
+            pos = chunk.start_pos + done
+            if pos in chunk.snapshot_at:
+                win = full[0, done : done + width].t().contiguous()
+                snaps.setdefault(pos, {})[layer] = (win, s[0])
+
+        return keep

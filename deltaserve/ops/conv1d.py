@@ -17,6 +17,11 @@ def causal_conv1d(
     width = weight.shape[-1]
     if window is None:
         window = x.new_zeros(bsz, channels, width - 1)
+    if seq_len >= width - 1 and _triton_prefill(x):
+        from deltaserve.ops.triton_conv1d import causal_conv1d_cuda
+
+        new_window = x[:, seq_len - (width - 1) :].transpose(1, 2).to(window.dtype).contiguous()
+        return causal_conv1d_cuda(x, weight, window), new_window
     # time-major [B,W-1+T,C]: each tap is a contiguous shifted slice, broadcast over channels
     full = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
     taps = weight.t().to(x.dtype)  # [W,C]
@@ -30,6 +35,16 @@ def causal_conv1d(
     return F.silu(out), new_window
 
 
+def _triton_prefill(x: torch.Tensor) -> bool:
+    """16-bit CUDA prefill chunks: the one-pass Triton conv (fp32 keeps torch's, as transformers
+    computes it, for the fp32 parity margins)."""
+    from deltaserve.env import env
+    from deltaserve.ops import triton_conv1d
+
+    return (x.is_cuda and x.dtype != torch.float32 and x.shape[1] > 1
+            and not env().reference_ops and triton_conv1d.available())
+
+
 def causal_conv1d_ref(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
 ) -> torch.Tensor:
@@ -38,7 +53,7 @@ def causal_conv1d_ref(
     width = weight.shape[-1]
     prev = x.new_zeros(bsz, width - 1, channels) if window is None else window.transpose(1, 2)
     full = torch.cat([prev.to(x.dtype), x], dim=1).float()  # [B,W-1+T,C]
-    out = torch.zeros(bsz, seq_len, channels)
+    out = torch.zeros(bsz, seq_len, channels, device=x.device)
     for tap in range(width):
         out += full[:, tap : tap + seq_len] * weight[:, tap].float()
     return F.silu(out)

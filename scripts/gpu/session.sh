@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls that check and time everything GPU-side, results under $OUT (carry [".whl"]):
-#   bash scripts/gpu/session.sh check   # gpu-marked tests + scripts/gpu/parity.py
+#   DELTASERVE_GIT_COMMIT=<sha> bash scripts/gpu/session.sh check   # tests + parity.py
+# (the device's copy of the tree has a stale .git: pass the commit so records name it)
 #   bash scripts/gpu/session.sh bench   # bench --device cuda (0.8B, 2B, portable) + batch bench
 #   bash scripts/gpu/session.sh ours    # the 0.8B bench and the batch bench without the peers
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -35,7 +36,9 @@ bench)
         --out "$OUT/bench-cuda-portable.json" 2>&1 | quiet 8
     python3 scripts/gpu/batch_bench.py --int8 --out "$OUT/batch-bench.json" 2>&1 | quiet 6
     ;;
-ours)  # our engine only (the peers measured by `bench` earlier the same day)
+ours)  # our engine only (the peers measured by `bench` earlier the same day), after a few tests
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
+        tests/engine/test_cuda_graphs.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -3
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --peer none \
         --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 4
     python3 scripts/gpu/batch_bench.py --int8 --peer-batches none --out "$OUT/batch-bench.json" \

@@ -6,7 +6,7 @@ from deltaserve.bench.attribution import attribute, component_of
 
 
 def test_components_by_kernel_name() -> None:
-    assert component_of("_gdn_step_kernel") == "gdn"
+    assert component_of("_delta_kernel") == "gdn" and component_of("_out_kernel") == "gdn"
     assert component_of("_paged_kernel") == "attention"
     assert component_of("_add_rms_kernel") == "norm"
     assert component_of("_silu_mul_kernel") == "mlp_act"
@@ -19,7 +19,7 @@ def test_head_is_what_follows_the_final_norm_and_gaps_are_the_rest() -> None:
     kernels = [  # (name, start us, duration us), deliberately out of order
         ("_add_rms_kernel", 10.0, 1.0),
         ("gemv2T_kernel", 0.0, 3.0),
-        ("_gdn_step_kernel", 5.0, 2.0),
+        ("_delta_kernel", 5.0, 2.0),
         ("gemv2T_kernel", 12.0, 50.0),  # after the final norm: the head
         ("argmax", 70.0, 1.5),
     ]
