@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="N: time to first token behind an N-token cached system prompt, hit vs miss")
     bench.add_argument("--formats", default="bf16,int8,int4",
                        help="GPU: formats to measure (int8/int4 quantized on the fly)")
+    bench.add_argument("--kv-cache-dtypes", default="auto",
+                       help="GPU: batch-1 decode of the first format with each KV cache dtype "
+                            "(e.g. auto,float32,float16)")
     bench.add_argument("--start-temp", type=float, default=60.0,
                        help="GPU: wait until the GPU is this cool (C) before each measurement")
     bench.add_argument("--stop-temp", type=float, default=85.0,

@@ -109,6 +109,25 @@ def format_dirs(model_dir: Path, formats: list[str]) -> dict[str, Path]:
     return out
 
 
+def kv_dtype_decode(model_dir: Path, kv_dtypes: list[str], decode_tokens: int,
+                    device: str) -> dict:
+    """Batch-1 decode tok/s per KV cache dtype ("auto" = the activation dtype), bf16 activations."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    prompt = list(range(1000, 1016))
+    out = {}
+    for kv in kv_dtypes:
+        llm = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0,
+                  max_num_seqs=4, kv_cache_dtype=kv)
+        llm.generate([prompt], params)  # captures the graphs
+        out[f"decode_kv_{kv}_tok_s"] = llm.generate([prompt], params)[0].metrics["decode_tok_s"]
+        del llm
+        torch.cuda.empty_cache()
+    return out
+
+
 def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: str) -> dict:
     """Our engine, bf16 activations: prefill tiers (prefix cache off, one chunk up to 8k tokens),
     batch-1 decode (a warm-up run captures the CUDA graphs first) with its per-component
@@ -181,6 +200,9 @@ def run_gpu_bench(args, model_dir: Path, record: dict) -> dict:
         result = ours_on_gpu(path, lens if fmt == "bf16" else [], args.decode_tokens, args.device)
         result["roofline_pct"] = roofline_pct(result["decode_tok_s"], result["bytes_per_token"],
                                               record["copy_gbs"])
+        kv_dtypes = [k for k in getattr(args, "kv_cache_dtypes", "auto").split(",") if k]
+        if fmt == args.formats.split(",")[0] and kv_dtypes != ["auto"]:
+            result.update(kv_dtype_decode(path, kv_dtypes, args.decode_tokens, args.device))
         engines[f"deltaserve-{fmt}"] = {**result, "gpu_before": before, "gpu_after": gpu_state()}
         torch.cuda.empty_cache()
     if args.peer == "transformers":

@@ -27,7 +27,8 @@ check)
     ;;
 bench)
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
-        --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 25
+        --prefill-lens 2048,5120,8192,10240,32768 --kv-cache-dtypes auto,float32,float16 \
+        --out "$OUT/bench-cuda.json" 2>&1 | quiet 25
     ckpt qwen3.5-2b /tmp/q2b
     python3 -m deltaserve bench --model /tmp/q2b --device cuda --decode-tokens 128 \
         --prefill-lens 8192 --peer none --out "$OUT/bench-cuda-2b.json" 2>&1 | quiet 12
