@@ -267,9 +267,20 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         # decodes first, so long prompts never starve a stream; then prefills, oldest first
-        decodes = [r for r in self._running if _is_decode(r)]
-        prefills = [r for r in self._running if not _is_decode(r)]
-        for req in decodes + prefills:
+        decodes, prefills = [], []
+        for r in self._running:
+            (decodes if _is_decode(r) else prefills).append(r)
+        for req in decodes:  # one token each: the common case, kept lean (host time per step)
+            if step.budget <= 0:
+                return
+            if req.status is not Status.RUNNING or req.num_computed >= _limit(req):
+                continue
+            if self._reserve(req, req.num_computed + 1, step):
+                step.add(ScheduledChunk(req.request_id, self.cache.slot_of(req.request_id),
+                                        (req.output_ids[-1] if req.output_ids
+                                         else req.prompt_ids[-1],),
+                                        req.num_computed, True))
+        for req in prefills:
             if step.budget <= 0:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this call

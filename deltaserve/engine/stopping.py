@@ -24,6 +24,9 @@ class StopChecker:
 
     def add_text(self, delta: str) -> tuple[str, str | None]:
         """Append decoded text; returns (text safe to emit now, matched stop string or None)."""
+        if not self.params.stop:  # nothing to match or hold back: the delta goes straight out
+            self.emitted += len(delta)
+            return delta, None
         start = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0))
         self.text += delta
         for stop in self.params.stop:
@@ -35,7 +38,7 @@ class StopChecker:
         return self._take(len(self.text) - self._held_back()), None
 
     def finish(self) -> str:
-        return self._take(len(self.text))
+        return self._take(len(self.text)) if self.params.stop else ""
 
     def _held_back(self) -> int:
         """Length of the longest suffix of `text` that could still grow into a stop string."""
