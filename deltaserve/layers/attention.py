@@ -56,7 +56,7 @@ class GatedAttention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         """x [1,T,N] holding every chunk of the step; K/V go to and come from batch.kv's blocks."""
-        if _fused(x):
+        if _fused(x) and _is_pow2(self.head_dim) and _is_pow2(batch.kv.block_len):
             return self._forward_fused(x, cos_sin, batch, layer)
         num_tokens = x.shape[1]
         qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -113,6 +113,11 @@ class GatedAttention(nn.Module):
             gate = proj[span, : 2 * self.num_heads * dim].reshape(-1, self.num_heads, 2 * dim)
             out[span] = (o.transpose(0, 1) * torch.sigmoid(gate[..., dim:])).flatten(1)
         return self.o_proj(out[None])
+
+
+def _is_pow2(n: int) -> bool:
+    """The Triton kernels tile head and block dims whole (every Qwen3.5 config: 64, 256)."""
+    return n > 0 and n & (n - 1) == 0
 
 
 def _fused(x: torch.Tensor) -> bool:

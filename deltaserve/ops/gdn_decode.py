@@ -91,7 +91,9 @@ def gdn_decode_slots(
     if qkv.device.type == "cuda" and not env().reference_ops:
         from deltaserve.ops import triton_gdn_decode
 
-        if triton_gdn_decode.available() and conv_pool.shape[-1] == 3:  # width-4 kernels
+        k_dim, v_dim = state_pool.shape[-2:]  # the kernels tile K and V whole: powers of two
+        if triton_gdn_decode.available() and conv_pool.shape[-1] == 3 and \
+                k_dim & (k_dim - 1) == 0 and v_dim & (v_dim - 1) == 0:  # width-4 conv
             return triton_gdn_decode.gdn_decode_slots_cuda(
                 qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots, norm_w, eps,
                 num_k_heads, out)
