@@ -80,6 +80,13 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete() -> None:
     assert checker.add_text("X") == ("STX", None)
 
 
+def test_without_stop_strings_every_delta_goes_straight_out() -> None:
+    checker = StopChecker(SamplingParams(), frozenset())
+    deltas = ["ab", "", "S", "TOP", " é"]
+    assert [checker.add_text(d) for d in deltas] == [(d, None) for d in deltas]
+    assert checker.finish() == ""  # nothing was held back
+
+
 def test_stop_ids_and_eos() -> None:
     checker = StopChecker(SamplingParams(stop_token_ids=(7,)), frozenset({2}))
     assert checker.token_stop(7) == ("stop", 7)
