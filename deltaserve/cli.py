@@ -1,4 +1,4 @@
-"""`deltaserve` command line: generate, chat, make-checkpoint, validate, bench."""
+"""`deltaserve` command line: generate, chat, serve, make-checkpoint, validate, bench."""
 
 from __future__ import annotations
 
@@ -97,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stop-temp", type=float, default=85.0,
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
+    _model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None,
+                    help="require this key (Authorization: Bearer or X-Api-Key) on every "
+                         "endpoint but /health and /v1/models")
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model id clients send (default: the checkpoint folder's name)")
+    sv.add_argument("--max-num-seqs", type=int, default=64)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
@@ -153,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_validate(args)
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "serve":
+            from deltaserve.server.main import run_serve
+
+            return run_serve(args)
         if args.command == "import-gguf":
             from deltaserve.quant.gguf_import import import_gguf
 

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible app: /v1/chat/completions and /v1/completions (streamed as SSE or not),
+/v1/models, /health, /metrics, /tokenize, /detokenize, on one LLM's batched engine.
+
+Handlers validate and tokenize on the event loop, hand the request to the engine thread
+(server/bridge.py), and read its events; a client that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from deltaserve.engine.sampling import SamplingParams
+from deltaserve.errors import CapacityError, DeltaserveError
+from deltaserve.server.bridge import ADMITTED, EngineDead, EngineDriver
+from deltaserve.server.errors import ApiError, context_overflow, error_response, install
+from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
+_ids = itertools.count()
+
+
+def build_app(llm, served_name: str, api_key: str | None = None,
+              max_body_bytes: int = 4 << 20) -> FastAPI:
+    driver = EngineDriver(llm.engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        driver.start()
+        yield
+        await asyncio.to_thread(driver.stop)  # graceful: in-flight requests finish first
+
+    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    install(app)
+    app.state.driver, app.state.llm, app.state.name = driver, llm, served_name
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error_response(413, f"the request body is over {max_body_bytes} bytes")
+        if api_key and request.url.path not in OPEN_PATHS and not _key_ok(request, api_key):
+            return error_response(401, "missing or invalid API key", "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not driver.alive:
+            return error_response(503, f"the engine is not running: {driver.error}")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model",
+                                            "created": 0, "owned_by": "deltaserve",
+                                            "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_metrics_text(driver, llm, served_name))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json(request)
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt: a string is required", param="prompt")
+        tokens = llm.tokenizer.encode(text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ApiError(400, "tokens: a list of integers is required", param="tokens")
+        if any(not 0 <= t < llm.config.vocab_size for t in tokens):
+            raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
+        return {"prompt": llm.tokenizer.decode(tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, served_name)
+        try:
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                        for m in body.messages]
+            kwargs = dict(body.chat_template_kwargs or {})
+            text = llm.tokenizer.apply_chat_template(
+                messages, enable_thinking=bool(kwargs.pop("enable_thinking", True)), **kwargs)
+        except (ValueError, DeltaserveError, TypeError) as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from exc
+        ids = llm.tokenizer.encode(text)
+        return await _complete(request, body, ids, "chat.completion")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, served_name)
+        ids = (llm.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
+               else list(body.prompt))
+        if any(not 0 <= t < llm.config.vocab_size for t in ids):
+            raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
+        return await _complete(request, body, ids, "text_completion")
+
+    async def _complete(request: Request, body, ids: list[int], kind: str):
+        params = _params(body, llm, len(ids))
+        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
+        events = driver.submit(rid, ids, params)
+        first = await events.get()
+        if first is not ADMITTED:
+            raise _admission_error(first)
+        if body.stream:
+            return StreamingResponse(_sse(request, rid, events, kind, served_name, len(ids),
+                                          bool(body.stream_options and
+                                               body.stream_options.include_usage), driver),
+                                     media_type="text/event-stream")
+        text, reason, n_out = await _collect(request, rid, events, driver)
+        return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids), n_out))
+
+    return app
+
+
+def _key_ok(request: Request, api_key: str) -> bool:
+    given = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "the request body is not valid JSON", "invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_model(name: str, served_name: str) -> None:
+    if name != served_name:
+        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
+
+
+def _params(body, llm, num_prompt: int) -> SamplingParams:
+    limit = body.token_limit()
+    room = llm.max_model_len - num_prompt
+    if room < 1 or (limit is not None and limit > room):
+        raise context_overflow(num_prompt, llm.max_model_len, limit or 1)
+    default = llm.get_default_sampling_params()
+    try:
+        return SamplingParams(
+            temperature=default.temperature if body.temperature is None else body.temperature,
+            top_p=default.top_p if body.top_p is None else body.top_p,
+            top_k=default.top_k if body.top_k is None else max(body.top_k, 0),
+            min_p=default.min_p if body.min_p is None else body.min_p,
+            seed=body.seed, max_tokens=limit, stop=tuple(body.stop or ()),
+            ignore_eos=body.ignore_eos)
+    except (ValueError, DeltaserveError) as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+def _admission_error(item) -> ApiError:
+    if isinstance(item, CapacityError):
+        return ApiError(503, str(item), "server_overloaded")
+    if isinstance(item, EngineDead):
+        return ApiError(503, f"the engine is not running: {item}")
+    return ApiError(400, str(item))
+
+
+async def _next(request: Request, rid: str, events: asyncio.Queue, driver: EngineDriver):
+    """The next event; polls for a client that went away (then aborts and raises)."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                driver.abort(rid)
+                raise asyncio.CancelledError from None
+
+
+async def _collect(request, rid, events, driver) -> tuple[str, str, int]:
+    parts, n_out = [], 0
+    while True:
+        ev = await _next(request, rid, events, driver)
+        if isinstance(ev, EngineDead):
+            raise ApiError(503, f"the engine is not running: {ev}")
+        if ev.finish_reason == "error":
+            raise ApiError(500, "the model produced non-finite logits; the request was stopped",
+                           "non_finite_logits")
+        parts.append(ev.text)
+        n_out += len(ev.token_ids)
+        if ev.finished:
+            return "".join(parts), ev.finish_reason, n_out
+
+
+def _usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+def _choice(kind: str, text: str, reason: str | None, delta: bool) -> dict:
+    if kind == "text_completion":
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    key = "delta" if delta else "message"
+    msg = {"role": "assistant", "content": text} if not delta or text else {}
+    return {"index": 0, key: msg, "logprobs": None, "finish_reason": reason}
+
+
+def _response(rid, kind, model, text, reason, n_prompt, n_out) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "choices": [_choice(kind, text, reason, False)], "usage": _usage(n_prompt, n_out)}
+
+
+async def _sse(request, rid, events, kind, model, n_prompt, include_usage,
+               driver) -> AsyncIterator[str]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    created, n_out, finished = int(time.time()), 0, False
+
+    def frame(choices, usage=None) -> str:
+        body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        while not finished:
+            ev = await _next(request, rid, events, driver)
+            if isinstance(ev, EngineDead) or ev.finish_reason == "error":
+                what = "non-finite logits" if not isinstance(ev, EngineDead) else str(ev)
+                err = {"error": {"message": what, "type": "server_error", "code": 500}}
+                yield f"data: {json.dumps(err)}\n\n"  # mid-stream errors as vLLM sends them
+                return
+            n_out += len(ev.token_ids)
+            finished = ev.finished
+            if ev.text or finished:
+                yield frame([_choice(kind, ev.text, ev.finish_reason if finished else None, True)])
+        if include_usage:
+            yield frame([], _usage(n_prompt, n_out))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away (or the stream failed): free its slot
+            driver.abort(rid)
+
+
+def _metrics_text(driver: EngineDriver, llm, name: str) -> str:
+    sched, c = llm.engine.scheduler, driver.counters
+    label = f'{{model_name="{name}"}}'
+    usage = llm.engine.cache.usage()
+    kv_used = 1.0 - usage["blocks_free"] / max(1, usage["blocks_total"])
+    lines = [
+        f"vllm:num_requests_running{label} {sched.num_running}",
+        f"vllm:num_requests_waiting{label} {sched.num_waiting}",
+        f"vllm:kv_cache_usage_perc{label} {kv_used:.6f}",
+        f"vllm:prompt_tokens_total{label} {c.prompt_tokens}",
+        f"vllm:generation_tokens_total{label} {c.generation_tokens}",
+        f"deltaserve:requests_open{label} {driver.num_open}",
+        f"deltaserve:requests_aborted_total{label} {c.aborted}",
+        f"deltaserve:engine_steps_total{label} {c.num_steps}",
+    ]
+    for reason, count in sorted(c.finished.items()):
+        lines.append(f'vllm:request_success_total{{model_name="{name}",finished_reason='
+                     f'"{reason}"}} {count}')
+    return "\n".join(lines) + "\n"

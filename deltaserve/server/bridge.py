@@ -1,0 +1,134 @@
+"""The async bridge: the engine's step loop runs on one thread; request handlers (asyncio) submit
+requests and read each one's events from its own asyncio.Queue. The engine is touched by that
+thread only: adds and aborts reach it through a command queue, drained between steps.
+
+Per request the queue yields ADMITTED (or the admission error, e.g. CapacityError for a full
+queue), then StepOutputs until one is finished, or an EngineDead if the loop failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+ADMITTED = "admitted"
+
+
+class EngineDead(Exception):
+    """The step loop raised: every open request ends with a 5xx and /health answers 503."""
+
+
+@dataclass
+class Counters:
+    """What /metrics exports (vLLM's names are given in server/app.py)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    num_steps: int = 0
+
+
+class EngineDriver:
+    def __init__(self, engine, idle_wait_s: float = 0.05) -> None:
+        self.engine, self.idle_wait_s = engine, idle_wait_s
+        self.counters = Counters()
+        self.error: str | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+        self.last_step_at = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Let in-flight requests finish (up to timeout_s), then end the loop."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self.alive:
+            time.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+        """From a handler on the event loop: the request's event queue."""
+        events: asyncio.Queue = asyncio.Queue()
+        self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events))
+        self._wake.set()
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a finished or unknown request is ignored."""
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            if not self.engine.has_work:
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                self.last_step_at = time.monotonic()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as exc:  # the engine is in an unknown state: fail everything open
+                self.error = f"{type(exc).__name__}: {exc}"
+                for rid in list(self._streams):
+                    self._send(rid, EngineDead(self.error))
+                self._streams.clear()
+                return
+            self.counters.num_steps += 1
+            self.last_step_at = time.monotonic()
+            for ev in events:
+                self.counters.generation_tokens += len(ev.token_ids)
+                if ev.finished:
+                    reason = ev.finish_reason or "stop"
+                    self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+                self._send(ev.request_id, ev)
+                if ev.finished:
+                    self._streams.pop(ev.request_id, None)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, loop, events = cmd
+                self._streams[rid] = (loop, events)
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except Exception as exc:  # RequestError / CapacityError: the handler maps it
+                    self._send(rid, exc)
+                    self._streams.pop(rid, None)
+                    continue
+                self.counters.prompt_tokens += len(ids)
+                self._send(rid, ADMITTED)
+            elif cmd[0] == "abort" and cmd[1] in self._streams:
+                self.engine.abort(cmd[1])
+                self._streams.pop(cmd[1], None)
+                self.counters.aborted += 1
+
+    def _send(self, rid: str, item) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            loop, events = stream
+            loop.call_soon_threadsafe(events.put_nowait, item)

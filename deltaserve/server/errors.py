@@ -1,0 +1,67 @@
+"""Errors in the OpenAI shape {"error": {"message", "type", "param", "code"}} for every status the
+server answers with, and the handlers that turn validation and JSON errors into 400s."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+         501: "not_supported_error", 503: "unavailable_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 param: str | None = None, **extra) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.extra = (status, message, code,
+                                                                        param, extra)
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
+               **extra) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"),
+                      "param": param, "code": code, **extra}}
+
+
+def error_response(status: int, message: str, code: str | None = None,
+                   param: str | None = None, **extra) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message, code, param, **extra), status_code=status,
+                        headers=headers)
+
+
+def context_overflow(num_prompt: int, max_len: int, requested: int) -> ApiError:
+    """The 400 every client's context-length matcher recognises (OpenAI's sentence, the code,
+    llama-server's numeric fields)."""
+    return ApiError(400, f"This model's maximum context length is {max_len} tokens. However, you "
+                    f"requested {num_prompt + requested} tokens ({num_prompt} in the messages, "
+                    f"{requested} in the completion). Please reduce the length of the messages "
+                    "or completion.", "context_length_exceeded", "messages",
+                    n_prompt_tokens=num_prompt, n_ctx=max_len)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.code, exc.param, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", "invalid_json")
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                              "invalid_request", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,75 @@
+"""Request bodies of the OpenAI API as pydantic models: wrong types and unknown values become
+400s in the OpenAI error shape (server/errors.py), never FastAPI's default 422."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... are passed to the template
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message text; array content keeps its text parts (images are issue 8's)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported by this model")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and text completions (non-OpenAI extras as vLLM names them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)  # one choice per request (documented limit)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        """max_completion_tokens wins over max_tokens when both are given (as llama-server)."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
