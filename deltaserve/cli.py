@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model id clients send (default: the checkpoint folder's name)")
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sv.add_argument("--max-queue", type=int, default=256,
+                    help="requests waiting for a slot before new ones get 503")
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])

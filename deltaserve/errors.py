@@ -21,3 +21,7 @@ class RequestError(DeltaserveError):
 
 class CapacityError(RequestError):
     """The engine cannot take this request now or ever (queue full, prompt larger than the KV pool)."""
+
+
+class QueueFullError(CapacityError):
+    """The waiting queue is at its bound: the same request may succeed later (a server's 503)."""

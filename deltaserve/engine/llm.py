@@ -38,6 +38,7 @@ class LLM:
         kv_cache_bytes: int = 4 << 30,
         greedy_head: bool = False,
         kv_cache_dtype: str = "auto",
+        max_waiting: int = 256,
     ) -> None:
         from deltaserve.checkpoint.default import default_model_dir
 
@@ -66,7 +67,8 @@ class LLM:
                                f"{kv_cache_dtype!r}")
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes,
-                                greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype)
+                                greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype,
+                                max_waiting=max_waiting)
         self._engine: Engine | None = None
 
     @property
@@ -226,7 +228,7 @@ KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
 
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
-                 kv_cache_dtype: str = "auto") -> Engine:
+                 kv_cache_dtype: str = "auto", max_waiting: int = 256) -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
@@ -237,7 +239,7 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                               max_num_batched_tokens, kv_dtype)
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_prefill_chunk=max_num_batched_tokens)
+                            max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
     fingerprint = model_fingerprint(llm.model_dir,
                                     f"{llm.model.dtype}/{llm.model.act_dtype}/{kv_dtype}")
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from deltaserve.engine.request import Request, Status
-from deltaserve.errors import CapacityError, RequestError
+from deltaserve.errors import CapacityError, QueueFullError, RequestError
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
@@ -156,7 +156,7 @@ class Scheduler:
                 f"but the KV pool holds at most {capacity} per sequence"
             )
         if len(self._waiting) >= self.config.max_waiting:
-            raise CapacityError(
+            raise QueueFullError(
                 f"the queue is full (max_waiting={self.config.max_waiting}); retry later"
             )
         # a sequence cannot outgrow the KV pool: cap its outputs so a "length" stop comes first

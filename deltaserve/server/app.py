@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deltaserve.engine.sampling import SamplingParams
-from deltaserve.errors import CapacityError, DeltaserveError
+from deltaserve.errors import DeltaserveError, QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead, EngineDriver
 from deltaserve.server.errors import ApiError, context_overflow, error_response, install
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -110,8 +110,20 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         return await _complete(request, body, ids, "text_completion")
 
     async def _complete(request: Request, body, ids: list[int], kind: str):
+        num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
+        if body.stream and (num_lp is not None or echo):
+            raise ApiError(501, "logprobs and echo are not supported with stream yet",
+                           "not_supported")
+        if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
+            if not echo:
+                raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
+                               param="max_tokens")
+            if len(ids) > llm.max_model_len:
+                raise context_overflow(len(ids), llm.max_model_len, 0)
+            return JSONResponse(await _scored(rid_for(kind), kind, ids, [], "", "length",
+                                              body.prompt, num_lp, echo))
         params = _params(body, llm, len(ids))
-        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
+        rid = rid_for(kind)
         events = driver.submit(rid, ids, params)
         first = await events.get()
         if first is not ADMITTED:
@@ -121,8 +133,28 @@ def build_app(llm, served_name: str, api_key: str | None = None,
                                           bool(body.stream_options and
                                                body.stream_options.include_usage), driver),
                                      media_type="text/event-stream")
-        text, reason, n_out = await _collect(request, rid, events, driver)
-        return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids), n_out))
+        text, reason, out_ids = await _collect(request, rid, events, driver)
+        if num_lp is None and not echo:
+            return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids),
+                                          len(out_ids)))
+        return JSONResponse(await _scored(rid, kind, ids, out_ids, text, reason, body.prompt
+                                          if kind == "text_completion" else None, num_lp, echo))
+
+    async def _scored(rid, kind, ids, out_ids, text, reason, prompt, num_lp, echo) -> dict:
+        """A response with logprobs (teacher-forced on the engine thread) and/or the echoed
+        prompt in front of the completion."""
+        from deltaserve.server import logprobs as lp
+
+        every = ids + out_ids
+        start = 0 if echo else len(ids)
+        if echo:
+            text = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) + text
+        out = _response(rid, kind, served_name, text, reason, len(ids), len(out_ids))
+        if num_lp is not None:
+            fn = lp.completion_logprobs if kind == "text_completion" else lp.chat_logprobs
+            out["choices"][0]["logprobs"] = await driver.call(
+                lambda: fn(llm, every, start, num_lp))
+        return out
 
     return app
 
@@ -169,7 +201,7 @@ def _params(body, llm, num_prompt: int) -> SamplingParams:
 
 
 def _admission_error(item) -> ApiError:
-    if isinstance(item, CapacityError):
+    if isinstance(item, QueueFullError):
         return ApiError(503, str(item), "server_overloaded")
     if isinstance(item, EngineDead):
         return ApiError(503, f"the engine is not running: {item}")
@@ -187,8 +219,12 @@ async def _next(request: Request, rid: str, events: asyncio.Queue, driver: Engin
                 raise asyncio.CancelledError from None
 
 
-async def _collect(request, rid, events, driver) -> tuple[str, str, int]:
-    parts, n_out = [], 0
+def rid_for(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
+
+
+async def _collect(request, rid, events, driver) -> tuple[str, str, list[int]]:
+    parts, out_ids = [], []
     while True:
         ev = await _next(request, rid, events, driver)
         if isinstance(ev, EngineDead):
@@ -197,9 +233,9 @@ async def _collect(request, rid, events, driver) -> tuple[str, str, int]:
             raise ApiError(500, "the model produced non-finite logits; the request was stopped",
                            "non_finite_logits")
         parts.append(ev.text)
-        n_out += len(ev.token_ids)
+        out_ids.extend(ev.token_ids)
         if ev.finished:
-            return "".join(parts), ev.finish_reason, n_out
+            return "".join(parts), ev.finish_reason, out_ids
 
 
 def _usage(n_prompt: int, n_out: int) -> dict:

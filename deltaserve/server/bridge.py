@@ -71,6 +71,14 @@ class EngineDriver:
         self._wake.set()
         return events
 
+    async def call(self, fn):
+        """Run fn() on the engine thread between steps (the model is used by that thread only);
+        its result, or its exception, comes back here."""
+        future = asyncio.get_running_loop().create_future()
+        self._cmds.put(("call", fn, asyncio.get_running_loop(), future))
+        self._wake.set()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Thread-safe; a finished or unknown request is ignored."""
         self._cmds.put(("abort", request_id))
@@ -122,6 +130,13 @@ class EngineDriver:
                     continue
                 self.counters.prompt_tokens += len(ids)
                 self._send(rid, ADMITTED)
+            elif cmd[0] == "call":
+                _, fn, loop, future = cmd
+                try:
+                    result, error = fn(), None
+                except Exception as exc:  # handed to the caller, the loop goes on
+                    result, error = None, exc
+                loop.call_soon_threadsafe(_settle, future, result, error)
             elif cmd[0] == "abort" and cmd[1] in self._streams:
                 self.engine.abort(cmd[1])
                 self._streams.pop(cmd[1], None)
@@ -132,3 +147,12 @@ class EngineDriver:
         if stream is not None:
             loop, events = stream
             loop.call_soon_threadsafe(events.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -57,10 +57,19 @@ class _Sampling(BaseModel):
         return stops
 
 
+MAX_LOGPROBS = 20
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         """max_completion_tokens wins over max_tokens when both are given (as llama-server)."""
@@ -69,7 +78,13 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
+    # the OpenAI default; 0 with echo scores the prompt only (lm-evaluation-harness)
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

@@ -16,6 +16,7 @@ import pytest
 KEY = "test-key-123"
 MODEL = "stdlib-19m"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+SERVER_PID: list[int] = []
 
 
 def _free_port() -> int:
@@ -43,6 +44,7 @@ def server():
     else:
         proc.kill()
         raise RuntimeError("server did not come up")
+    SERVER_PID.append(proc.pid)
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -155,3 +157,130 @@ def test_keys_sizes_and_the_server_keeps_serving(server) -> None:
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # open, no key
     assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.post(f"{server}/v1/completions", json=body, headers=HEADERS).status_code == 200
+
+
+def test_loglikelihood_through_completions_matches_the_engine(server) -> None:
+    """lm-evaluation-harness's request: context + continuation as token ids, echo, logprobs=1,
+    one generated token; the continuation's summed logprob equals the model's own (fp32)."""
+    import torch
+
+    from deltaserve import LLM
+
+    llm = LLM(dtype="float32")
+    ctx, cont = llm.tokenizer.encode("def add(a, b):\n"), llm.tokenizer.encode("    return a + b\n")
+    ids = ctx + cont
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "echo": True, "seed": 1234}
+    got = httpx.post(f"{server}/v1/completions", json=body, headers=HEADERS, timeout=60).json()
+    lp = got["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    server_sum = sum(lp["token_logprobs"][len(ctx) : len(ids)])
+    with torch.inference_mode():
+        logits = llm.model(torch.tensor([ids]), llm.model.new_state(), all_logits=True)[0]
+    logp = torch.log_softmax(logits.float(), -1)
+    own = sum(logp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
+    assert abs(server_sum - own) <= 1e-4 * max(1.0, abs(own))
+    greedy = [max(t, key=t.get) for t in lp["top_logprobs"][len(ctx) : len(ids)]]
+    assert len(greedy) == len(cont)  # is_greedy: the top alternative at each continuation token
+    only = httpx.post(f"{server}/v1/completions", json={**body, "max_tokens": 0},
+                      headers=HEADERS, timeout=60).json()["choices"][0]
+    assert only["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
+    assert only["text"] == llm.tokenizer.decode(ids)
+
+
+def test_chat_logprobs_describe_the_generated_tokens(server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "import sys"}],
+            "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    got = httpx.post(f"{server}/v1/chat/completions", json=body, headers=HEADERS,
+                     timeout=60).json()
+    content = got["choices"][0]["logprobs"]["content"]
+    assert len(content) == got["usage"]["completion_tokens"]
+    for item in content:  # greedy: the chosen token is the most likely one
+        assert len(item["top_logprobs"]) == 2 and item["logprob"] <= 0
+        assert abs(item["logprob"] - item["top_logprobs"][0]["logprob"]) <= 1e-5
+    streamed = httpx.post(f"{server}/v1/chat/completions", json={**body, "stream": True},
+                          headers=HEADERS, timeout=60)
+    assert _error(streamed, 501)["code"] == "not_supported"
+
+
+def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path) -> None:
+    """One slot, a queue of one: of six long requests at once, the ones beyond slot + queue get
+    an OpenAI-shaped 503 at admission; the rest complete; afterwards requests succeed again."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--port", str(port),
+                             "--max-num-seqs", "1", "--max-queue", "1", "--dtype", "float32"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        body = {"model": MODEL, "prompt": "def f():\n", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*[client.post(f"{base}/v1/completions", json=body)
+                                              for _ in range(6)])
+
+        replies = asyncio.run(burst())
+        codes = sorted(r.status_code for r in replies)
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}, codes
+        busy = next(r for r in replies if r.status_code == 503)
+        assert _error(busy, 503)["code"] == "server_overloaded"
+        again = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
+        assert again.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_bounded_soak_loses_no_request_and_leaks_no_memory(server) -> None:
+    """240 requests (streamed and not, 16 at a time, some abandoned mid-stream) in four rounds:
+    every kept request completes, nothing stays open, and resident memory after the last round
+    is within 64 MB of the first (warm) one."""
+    body = {"model": MODEL, "prompt": "for i in range(", "max_tokens": 12, "temperature": 0.7,
+            "seed": 1}
+
+    async def one(client, i):
+        if i % 2:
+            r = await client.post(f"{server}/v1/completions", json=body, headers=HEADERS)
+            return r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        async with client.stream("POST", f"{server}/v1/completions",
+                                 json={**body, "stream": True}, headers=HEADERS) as r:
+            if i % 10 == 0:  # abandoned after its first event: the server must clean up
+                async for _ in r.aiter_lines():
+                    break
+                return r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line]
+            return r.status_code == 200 and lines[-1] == "data: [DONE]"
+
+    async def round_(n):
+        async with httpx.AsyncClient(timeout=120) as client:
+            sem = asyncio.Semaphore(16)
+
+            async def gated(i):
+                async with sem:
+                    return await one(client, i)
+
+            return await asyncio.gather(*[gated(i) for i in range(n)])
+
+    rss = []
+    for _ in range(4):
+        assert all(asyncio.run(round_(60)))
+        rss.append(_rss_mb(SERVER_PID[-1]))
+    deadline = time.monotonic() + 10
+    while _metric(server, "deltaserve:requests_open") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(server, "deltaserve:requests_open") == 0
+    assert rss[-1] - rss[0] <= 64, rss
