@@ -23,6 +23,7 @@ from deltaserve.errors import DeltaserveError, QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead, EngineDriver
 from deltaserve.server.errors import ApiError, context_overflow, error_response, install
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.server.reasoning import ReasoningSplitter, opens_think_block, split
 
 OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
 _ids = itertools.count()
@@ -98,7 +99,7 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         except (ValueError, DeltaserveError, TypeError) as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from exc
         ids = llm.tokenizer.encode(text)
-        return await _complete(request, body, ids, "chat.completion")
+        return await _complete(request, body, ids, "chat.completion", opens_think_block(text))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -109,7 +110,8 @@ def build_app(llm, served_name: str, api_key: str | None = None,
             raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
         return await _complete(request, body, ids, "text_completion")
 
-    async def _complete(request: Request, body, ids: list[int], kind: str):
+    async def _complete(request: Request, body, ids: list[int], kind: str,
+                        thinking: bool = False):
         num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
         if body.stream and (num_lp is not None or echo):
             raise ApiError(501, "logprobs and echo are not supported with stream yet",
@@ -121,7 +123,7 @@ def build_app(llm, served_name: str, api_key: str | None = None,
             if len(ids) > llm.max_model_len:
                 raise context_overflow(len(ids), llm.max_model_len, 0)
             return JSONResponse(await _scored(rid_for(kind), kind, ids, [], "", "length",
-                                              body.prompt, num_lp, echo))
+                                              body.prompt, num_lp, echo, thinking))
         params = _params(body, llm, len(ids))
         rid = rid_for(kind)
         events = driver.submit(rid, ids, params)
@@ -129,18 +131,20 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         if first is not ADMITTED:
             raise _admission_error(first)
         if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(request, rid, events, kind, served_name, len(ids),
-                                          bool(body.stream_options and
-                                               body.stream_options.include_usage), driver),
+                                          usage, driver, thinking),
                                      media_type="text/event-stream")
         text, reason, out_ids = await _collect(request, rid, events, driver)
         if num_lp is None and not echo:
             return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids),
-                                          len(out_ids)))
+                                          len(out_ids), thinking))
         return JSONResponse(await _scored(rid, kind, ids, out_ids, text, reason, body.prompt
-                                          if kind == "text_completion" else None, num_lp, echo))
+                                          if kind == "text_completion" else None, num_lp, echo,
+                                          thinking))
 
-    async def _scored(rid, kind, ids, out_ids, text, reason, prompt, num_lp, echo) -> dict:
+    async def _scored(rid, kind, ids, out_ids, text, reason, prompt, num_lp, echo,
+                      thinking) -> dict:
         """A response with logprobs (teacher-forced on the engine thread) and/or the echoed
         prompt in front of the completion."""
         from deltaserve.server import logprobs as lp
@@ -149,7 +153,7 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         start = 0 if echo else len(ids)
         if echo:
             text = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) + text
-        out = _response(rid, kind, served_name, text, reason, len(ids), len(out_ids))
+        out = _response(rid, kind, served_name, text, reason, len(ids), len(out_ids), thinking)
         if num_lp is not None:
             fn = lp.completion_logprobs if kind == "text_completion" else lp.chat_logprobs
             out["choices"][0]["logprobs"] = await driver.call(
@@ -243,23 +247,33 @@ def _usage(n_prompt: int, n_out: int) -> dict:
             "total_tokens": n_prompt + n_out}
 
 
-def _choice(kind: str, text: str, reason: str | None, delta: bool) -> dict:
+def _choice(kind: str, text: str, reason: str | None, delta: bool,
+            reasoning: str | None = None) -> dict:
     if kind == "text_completion":
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    key = "delta" if delta else "message"
-    msg = {"role": "assistant", "content": text} if not delta or text else {}
-    return {"index": 0, key: msg, "logprobs": None, "finish_reason": reason}
+    if delta:  # only what this chunk adds
+        msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning)) if v}
+        return {"index": 0, "delta": msg, "logprobs": None, "finish_reason": reason}
+    msg = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    return {"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}
 
 
-def _response(rid, kind, model, text, reason, n_prompt, n_out) -> dict:
+def _response(rid, kind, model, text, reason, n_prompt, n_out, thinking=False) -> dict:
+    reasoning = None
+    if kind == "chat.completion":
+        reasoning, text = split(text, thinking)
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [_choice(kind, text, reason, False)], "usage": _usage(n_prompt, n_out)}
+            "choices": [_choice(kind, text, reason, False, reasoning)],
+            "usage": _usage(n_prompt, n_out)}
 
 
-async def _sse(request, rid, events, kind, model, n_prompt, include_usage,
-               driver) -> AsyncIterator[str]:
+async def _sse(request, rid, events, kind, model, n_prompt, include_usage, driver,
+               thinking=False) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created, n_out, finished = int(time.time()), 0, False
+    splitter = ReasoningSplitter(thinking and kind == "chat.completion")
 
     def frame(choices, usage=None) -> str:
         body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
@@ -278,8 +292,12 @@ async def _sse(request, rid, events, kind, model, n_prompt, include_usage,
                 return
             n_out += len(ev.token_ids)
             finished = ev.finished
-            if ev.text or finished:
-                yield frame([_choice(kind, ev.text, ev.finish_reason if finished else None, True)])
+            reasoning, text = splitter.push(ev.text)
+            if finished:
+                reasoning += splitter.finish()[0]
+            if text or reasoning or finished:
+                yield frame([_choice(kind, text, ev.finish_reason if finished else None, True,
+                                     reasoning)])
         if include_usage:
             yield frame([], _usage(n_prompt, n_out))
         yield "data: [DONE]\n\n"

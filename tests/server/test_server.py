@@ -284,3 +284,44 @@ def test_bounded_soak_loses_no_request_and_leaks_no_memory(server) -> None:
         time.sleep(0.2)
     assert _metric(server, "deltaserve:requests_open") == 0
     assert rss[-1] - rss[0] <= 64, rss
+
+
+def test_thinking_output_is_split_into_reasoning_content(tmp_path) -> None:
+    """The tiny checkpoint carries Qwen3.5's template (thinking on: the prompt opens a think
+    block). Its random weights never close the block, so all text is reasoning, streamed or not;
+    with enable_thinking off the same request's text is content."""
+    from tests.conftest import write_variant
+
+    model = write_variant(tmp_path / "tiny", 0)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", str(model),
+                             "--port", str(port), "--dtype", "float32"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8, "temperature": 0}
+        msg = httpx.post(f"{base}/v1/chat/completions", json=body,
+                         timeout=60).json()["choices"][0]["message"]
+        assert msg["content"] == "" and msg["reasoning_content"]
+        frames = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": True},
+                            timeout=60).text.split("\n\n")
+        deltas = [json.loads(f[6:])["choices"][0]["delta"] for f in frames
+                  if f.startswith("data: {")]
+        assert "".join(d.get("reasoning_content", "") for d in deltas).rstrip("\n") == \
+            msg["reasoning_content"]
+        assert not any(d.get("content") for d in deltas)
+        off = httpx.post(f"{base}/v1/chat/completions", json={
+            **body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60).json()
+        assert off["choices"][0]["message"]["content"] and \
+            "reasoning_content" not in off["choices"][0]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,54 @@
+"""Reasoning split out of chat output: when the rendered prompt opens a think block (Qwen3.5's
+template with thinking on ends with "<think>\\n"), the text up to "</think>" is
+`reasoning_content` and the rest `content`, streamed or not, as vLLM's and llama-server's
+reasoning parsers return it."""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>\n", "</think>"
+
+
+def opens_think_block(prompt_text: str) -> bool:
+    return prompt_text.endswith(OPEN)
+
+
+class ReasoningSplitter:
+    """push(delta) -> (reasoning delta, content delta); a partial "</think>" at the end of the
+    text seen so far is held back until it completes or cannot."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.in_reasoning, self.held, self.content_started = thinking, "", False
+
+    def push(self, delta: str) -> tuple[str, str]:
+        if not self.in_reasoning:
+            return "", self._content(delta)
+        text = self.held + delta
+        at = text.find(CLOSE)
+        if at >= 0:
+            self.in_reasoning, self.held = False, ""
+            return text[:at], self._content(text[at + len(CLOSE) :])
+        keep = next((n for n in range(min(len(CLOSE) - 1, len(text)), 0, -1)
+                     if text.endswith(CLOSE[:n])), 0)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back (a think block that never closed stays reasoning)."""
+        held, self.held = self.held, ""
+        return held, ""
+
+    def _content(self, text: str) -> str:
+        if not self.content_started:
+            text = text.lstrip("\n")  # the blank line after </think>
+            self.content_started = bool(text)
+        return text
+
+
+def split(text: str, thinking: bool) -> tuple[str | None, str]:
+    """The whole output at once: (reasoning or None, content)."""
+    if not thinking:
+        return None, text
+    splitter = ReasoningSplitter(True)
+    reasoning, content = splitter.push(text)
+    tail, _ = splitter.finish()
+    return (reasoning + tail).rstrip("\n"), content
