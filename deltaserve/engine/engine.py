@@ -74,12 +74,14 @@ class Engine:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context limit is "
                                f"{self.max_model_len}")
         max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        # everything that can fail comes before the scheduler holds the request: a refused
+        # request leaves nothing behind
+        gen = make_generator(params, self.model.device)
+        stops = StopChecker(params, self.eos_ids)
+        detok = StreamDecoder(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(Request(request_id, list(prompt_ids), max_new))
         max_new = self.scheduler.get(request_id).max_new_tokens  # capped to what the KV pool holds
-        self._live[request_id] = _Live(
-            params, make_generator(params, self.model.device), StopChecker(params, self.eos_ids),
-            StreamDecoder(self.tokenizer, params.skip_special_tokens), max_new, time.perf_counter()
-        )
+        self._live[request_id] = _Live(params, gen, stops, detok, max_new, time.perf_counter())
 
     @property
     def has_work(self) -> bool:

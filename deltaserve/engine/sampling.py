@@ -40,6 +40,8 @@ class SamplingParams:
                 f"max_tokens must be >= 1, got {self.max_tokens}",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.seed is None or 0 <= self.seed < 2**63,
+             f"seed must be in [0, 2**63), got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -67,6 +67,9 @@ class EngineDriver:
     def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         """From a handler on the event loop: the request's event queue."""
         events: asyncio.Queue = asyncio.Queue()
+        if not self.alive:  # nobody would ever answer: fail now
+            events.put_nowait(EngineDead(self.error or "the engine loop has stopped"))
+            return events
         self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events))
         self._wake.set()
         return events
@@ -75,6 +78,8 @@ class EngineDriver:
         """Run fn() on the engine thread between steps (the model is used by that thread only);
         its result, or its exception, comes back here."""
         future = asyncio.get_running_loop().create_future()
+        if not self.alive:
+            raise EngineDead(self.error or "the engine loop has stopped")
         self._cmds.put(("call", fn, asyncio.get_running_loop(), future))
         self._wake.set()
         return await future
@@ -98,9 +103,7 @@ class EngineDriver:
                 events = self.engine.step()
             except Exception as exc:  # the engine is in an unknown state: fail everything open
                 self.error = f"{type(exc).__name__}: {exc}"
-                for rid in list(self._streams):
-                    self._send(rid, EngineDead(self.error))
-                self._streams.clear()
+                self._fail_all()
                 return
             self.counters.num_steps += 1
             self.last_step_at = time.monotonic()
@@ -112,6 +115,22 @@ class EngineDriver:
                 self._send(ev.request_id, ev)
                 if ev.finished:
                     self._streams.pop(ev.request_id, None)
+
+    def _fail_all(self) -> None:
+        """Every open request, and every command still queued, ends with EngineDead."""
+        dead = EngineDead(self.error)
+        for rid in list(self._streams):
+            self._send(rid, dead)
+        self._streams.clear()
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                cmd[4].call_soon_threadsafe(cmd[5].put_nowait, dead)
+            elif cmd[0] == "call":
+                cmd[2].call_soon_threadsafe(_settle, cmd[3], None, dead)
 
     def _drain(self) -> None:
         while True:

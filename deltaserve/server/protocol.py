@@ -43,7 +43,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request (documented limit)
     ignore_eos: bool = False
