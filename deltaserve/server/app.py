@@ -321,6 +321,11 @@ def _metrics_text(driver: EngineDriver, llm, name: str) -> str:
         f"deltaserve:requests_aborted_total{label} {c.aborted}",
         f"deltaserve:engine_steps_total{label} {c.num_steps}",
     ]
+    labels = f'model_name="{name}"'
+    for metric, hist in (("vllm:time_to_first_token_seconds", c.ttft),
+                         ("vllm:inter_token_latency_seconds", c.itl),
+                         ("vllm:e2e_request_latency_seconds", c.e2e)):
+        lines.extend(hist.lines(metric, labels))
     for reason, count in sorted(c.finished.items()):
         lines.append(f'vllm:request_success_total{{model_name="{name}",finished_reason='
                      f'"{reason}"}} {count}')

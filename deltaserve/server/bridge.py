@@ -21,6 +21,33 @@ class EngineDead(Exception):
     """The step loop raised: every open request ends with a 5xx and /health answers 503."""
 
 
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets,
+                                                                      self.counts, strict=True)]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.count}')
+        return [*out, f"{name}_sum{{{labels}}} {self.total:.6f}",
+                f"{name}_count{{{labels}}} {self.count}"]
+
+
 @dataclass
 class Counters:
     """What /metrics exports (vLLM's names are given in server/app.py)."""
@@ -30,6 +57,9 @@ class Counters:
     finished: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
     num_steps: int = 0
+    ttft: Histogram = field(default_factory=Histogram)  # admission to first token
+    itl: Histogram = field(default_factory=Histogram)  # between a request's tokens
+    e2e: Histogram = field(default_factory=Histogram)  # admission to the last token
 
 
 class EngineDriver:
@@ -39,6 +69,7 @@ class EngineDriver:
         self.error: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._times: dict[str, list[float]] = {}  # request -> [admitted at, last token at]
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
@@ -109,6 +140,7 @@ class EngineDriver:
             self.last_step_at = time.monotonic()
             for ev in events:
                 self.counters.generation_tokens += len(ev.token_ids)
+                self._time(ev)
                 if ev.finished:
                     reason = ev.finish_reason or "stop"
                     self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
@@ -148,6 +180,7 @@ class EngineDriver:
                     self._streams.pop(rid, None)
                     continue
                 self.counters.prompt_tokens += len(ids)
+                self._times[rid] = [time.monotonic(), 0.0]
                 self._send(rid, ADMITTED)
             elif cmd[0] == "call":
                 _, fn, loop, future = cmd
@@ -159,7 +192,22 @@ class EngineDriver:
             elif cmd[0] == "abort" and cmd[1] in self._streams:
                 self.engine.abort(cmd[1])
                 self._streams.pop(cmd[1], None)
+                self._times.pop(cmd[1], None)
                 self.counters.aborted += 1
+
+    def _time(self, ev) -> None:
+        times, now = self._times.get(ev.request_id), time.monotonic()
+        if times is None:
+            return
+        if ev.token_ids:
+            if times[1] == 0.0:
+                self.counters.ttft.observe(now - times[0])
+            else:
+                self.counters.itl.observe(now - times[1])
+            times[1] = now
+        if ev.finished:
+            self.counters.e2e.observe(now - times[0])
+            del self._times[ev.request_id]
 
     def _send(self, rid: str, item) -> None:
         stream = self._streams.get(rid)

@@ -116,6 +116,13 @@ def test_a_disconnect_frees_its_slot(server) -> None:
     assert _metric(server, "deltaserve:requests_open") == 0
     assert _metric(server, "deltaserve:requests_aborted_total") == aborted + 1
     assert _metric(server, "vllm:num_requests_running") == 0
+    # the latency histograms saw requests; their buckets are cumulative
+    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert _metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
+    text = httpx.get(f"{server}/metrics", headers=HEADERS, timeout=10).text
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:inter_token_latency_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] >= 1
 
 
 def _error(resp: httpx.Response, status: int) -> dict:
