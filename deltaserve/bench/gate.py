@@ -50,9 +50,9 @@ def js_divergence(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tenso
 
 def teacher_forced(llm, prompt_ids: list[int], cont: list[int]) -> torch.Tensor:
     """[64, V] next-token logits at the last prompt position and after each continuation token."""
-    state = llm.model.new_state()
-    first = llm.model(torch.tensor([prompt_ids]), state)  # [1, V]
-    rest = llm.model(torch.tensor([cont[:-1]]), state, all_logits=True)[0]
+    state, device = llm.model.new_state(), llm.model.device
+    first = llm.model(torch.tensor([prompt_ids], device=device), state)  # [1, V]
+    rest = llm.model(torch.tensor([cont[:-1]], device=device), state, all_logits=True)[0]
     return torch.cat([first, rest])
 
 

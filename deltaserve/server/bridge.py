@@ -154,22 +154,22 @@ class EngineDriver:
         for rid in list(self._streams):
             self._send(rid, dead)
         self._streams.clear()
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued():
             if cmd[0] == "add":
                 cmd[4].call_soon_threadsafe(cmd[5].put_nowait, dead)
             elif cmd[0] == "call":
                 cmd[2].call_soon_threadsafe(_settle, cmd[3], None, dead)
 
-    def _drain(self) -> None:
+    def _queued(self):
+        """The commands queued so far, taken off the queue one by one."""
         while True:
             try:
-                cmd = self._cmds.get_nowait()
+                yield self._cmds.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for cmd in self._queued():
             if cmd[0] == "add":
                 _, rid, ids, params, loop, events = cmd
                 self._streams[rid] = (loop, events)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.bench.gate import js_divergence  # noqa: E402
+from deltaserve.bench.gate import js_divergence, teacher_forced  # noqa: E402
 from deltaserve.bench.record import device_info, git_commit  # noqa: E402
 from deltaserve.env import env  # noqa: E402
 
@@ -64,8 +64,8 @@ def run_backend(model: Path, backend: str, ps, cpu_tokens) -> dict:
              for a, b in zip(tokens16, tokens32, strict=True)]
     js = []
     for p, cont in zip(ps, tokens32, strict=True):
-        la = teacher_forced_cuda(bf16, p, cont)
-        lb = teacher_forced_cuda(fp32, p, cont)
+        la = teacher_forced(bf16, p, cont)
+        lb = teacher_forced(fp32, p, cont)
         js.append(js_divergence(la.float().cpu(), lb.float().cpu()))
     js = torch.cat(js)
     out["bf16_vs_fp32"] = {"mean_agreement": sum(agree) / len(agree), "min_agreement": min(agree),
@@ -74,15 +74,6 @@ def run_backend(model: Path, backend: str, ps, cpu_tokens) -> dict:
     del fp32, bf16
     torch.cuda.empty_cache()
     return out
-
-
-def teacher_forced_cuda(llm, prompt_ids, cont) -> torch.Tensor:
-    """bench/gate.teacher_forced with the ids on the model's device."""
-    state = llm.model.new_state()
-    dev = llm.model.device
-    first = llm.model(torch.tensor([prompt_ids], device=dev), state)
-    rest = llm.model(torch.tensor([cont[:-1]], device=dev), state, all_logits=True)[0]
-    return torch.cat([first, rest])
 
 
 def check_model(model: Path) -> dict:

@@ -16,7 +16,7 @@ from tests.ops.triton_device import KDEV, needs_kernels
 pytestmark = pytest.mark.gpu
 
 
-def _check(tokens: torch.Tensor, logits: torch.Tensor, tol: float) -> None:
+def assert_argmax_tokens(tokens: torch.Tensor, logits: torch.Tensor, tol: float) -> None:
     """Each token's logit is the row maximum (up to tol: rounding may reorder near-ties); with
     the random weights here every row's top two are further apart, so the tokens are exact."""
     best = logits.max(dim=-1).values
@@ -35,7 +35,8 @@ def test_dense_greedy_head_matches_fp32_argmax(dtype, rows) -> None:
     weight = torch.randn(5003, 256).to(dtype)  # not a multiple of the tile
     h = torch.randn(rows, 256).to(dtype)
     tokens = triton_head.greedy_dense_cuda(h.to(KDEV), weight.to(KDEV))
-    _check(tokens, F.linear(h.float(), weight.float()), 1e-5 if dtype == torch.float32 else 1e-3)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert_argmax_tokens(tokens, F.linear(h.float(), weight.float()), tol)
 
 
 @needs_kernels
@@ -59,4 +60,4 @@ def test_packed_greedy_head_matches_fp32_argmax(fmt) -> None:
     tokens = triton_head.greedy_packed_cuda(h.to(KDEV), head)
     weight = dequantize({k: v.cpu() for k, v in vars(head).items() if k in packed}, scheme,
                         torch.float32)
-    _check(tokens, F.linear(h, weight), 1e-5)
+    assert_argmax_tokens(tokens, F.linear(h, weight), 1e-5)

@@ -4,6 +4,7 @@ embedded default model, driven by the `openai` client and httpx."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -25,29 +26,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def running_server(*args: str):
+    """`deltaserve serve ARGS` on a free loopback port, up (its /health answers 200) until the
+    block ends; yields (base URL, process)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--port", str(port),
-                             "--api-key", KEY, "--max-model-len", "512", "--dtype", "float32"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited: " + proc.stdout.read())
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited: " + proc.stdout.read())
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not come up")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        yield base, proc
+    finally:
+        proc.terminate()
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    SERVER_PID.append(proc.pid)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--api-key", KEY, "--max-model-len", "512",
+                        "--dtype", "float32") as (base, proc):
+        SERVER_PID.append(proc.pid)
+        yield base
 
 
 def _client(base):
@@ -213,19 +226,8 @@ def test_chat_logprobs_describe_the_generated_tokens(server) -> None:
 def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path) -> None:
     """One slot, a queue of one: of six long requests at once, the ones beyond slot + queue get
     an OpenAI-shaped 503 at admission; the rest complete; afterwards requests succeed again."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--port", str(port),
-                             "--max-num-seqs", "1", "--max-queue", "1", "--dtype", "float32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+    with running_server("--max-num-seqs", "1", "--max-queue", "1",
+                        "--dtype", "float32") as (base, _):
         body = {"model": MODEL, "prompt": "def f():\n", "max_tokens": 64, "temperature": 0,
                 "ignore_eos": True}
 
@@ -241,9 +243,6 @@ def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path) -> None:
         assert _error(busy, 503)["code"] == "server_overloaded"
         again = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
         assert again.status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _rss_mb(pid: int) -> float:
@@ -300,19 +299,7 @@ def test_thinking_output_is_split_into_reasoning_content(tmp_path) -> None:
     from tests.conftest import write_variant
 
     model = write_variant(tmp_path / "tiny", 0)
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", str(model),
-                             "--port", str(port), "--dtype", "float32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+    with running_server("--model", str(model), "--dtype", "float32") as (base, _):
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 8, "temperature": 0}
         msg = httpx.post(f"{base}/v1/chat/completions", json=body,
@@ -329,9 +316,6 @@ def test_thinking_output_is_split_into_reasoning_content(tmp_path) -> None:
             **body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60).json()
         assert off["choices"][0]["message"]["content"] and \
             "reasoning_content" not in off["choices"][0]["message"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_schema_fuzz_finds_no_server_errors(server) -> None:
