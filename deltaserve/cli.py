@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sv.add_argument("--max-queue", type=int, default=256,
                     help="requests waiting for a slot before new ones get 503")
+    sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,
+                    help="serve a quantized copy of a float checkpoint (converted once into the "
+                         "cache folder, reused on later starts)")
+    sv.add_argument("--idle-unload-min", type=float, default=5.0,
+                    help="free the model after this many idle minutes, reload it on the next "
+                         "request (default 5; 0 = never)")
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])

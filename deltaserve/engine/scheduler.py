@@ -133,6 +133,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._parked: dict[str, Request] = {}
         self._next_arrival = 0
+        self.num_preemptions_total = 0  # for /metrics
 
     # ---- requests in and out ----
 
@@ -360,6 +361,7 @@ class Scheduler:
         victim.status = Status.WAITING
         victim.num_computed = victim.num_restored = 0  # recompute replays prompt + kept outputs
         victim.num_preemptions += 1
+        self.num_preemptions_total += 1
         bisect.insort(self._waiting, victim, key=_arrival)
         step.preempted.append(victim.request_id)
 

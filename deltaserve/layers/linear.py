@@ -74,6 +74,11 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return buf[:numel].view(shape)
 
 
+def release_scratch() -> None:
+    """Drop the scratch buffers (the server's idle unload frees the model's memory)."""
+    _scratch.clear()
+
+
 def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` converted into the scratch buffer."""
     out = scratch(tuple(weight.shape), dtype, weight.device)

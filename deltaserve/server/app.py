@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError, QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead, EngineDriver
-from deltaserve.server.errors import ApiError, context_overflow, error_response, install
+from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
+from deltaserve.server.host import ModelHost
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaserve.server.reasoning import ReasoningSplitter, opens_think_block, split
 
@@ -29,44 +30,48 @@ OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
 _ids = itertools.count()
 
 
-def build_app(llm, served_name: str, api_key: str | None = None,
-              max_body_bytes: int = 4 << 20) -> FastAPI:
-    driver = EngineDriver(llm.engine)
+def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
+              max_body_bytes: int = 4 << 20, *, load=None, idle_unload_s: float | None = None,
+              on_first_load_failed=None) -> FastAPI:
+    """The app on a loaded `llm`, or on `load()` run in the background once the server is up
+    (then idle unload and reload are possible: `idle_unload_s`, None = never)."""
+    host = ModelHost(load, llm, idle_unload_s, on_first_load_failed)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        driver.start()
+        await host.start()
         yield
-        await asyncio.to_thread(driver.stop)  # graceful: in-flight requests finish first
+        await host.stop()  # graceful: in-flight requests finish first
 
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     install(app)
-    app.state.driver, app.state.llm, app.state.name = driver, llm, served_name
+    app.state.host, app.state.name = host, served_name
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error_response(413, f"the request body is over {max_body_bytes} bytes")
         if api_key and request.url.path not in OPEN_PATHS and not _key_ok(request, api_key):
             return error_response(401, "missing or invalid API key", "invalid_api_key")
         return await call_next(request)
 
     @app.get("/health")
     async def health():
-        if not driver.alive:
-            return error_response(503, f"the engine is not running: {driver.error}")
-        return {"status": "ok"}
+        status, what = host.health()
+        if status != 200:
+            return error_response(status, what)
+        return {"status": what}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model",
-                                            "created": 0, "owned_by": "deltaserve",
-                                            "max_model_len": llm.max_model_len}]}
+        card = {"id": served_name, "object": "model", "created": 0, "owned_by": "deltaserve"}
+        if host.max_model_len is not None:
+            card["max_model_len"] = host.max_model_len
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics_text(driver, llm, served_name))
+        return PlainTextResponse(_metrics_text(host, served_name))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -74,8 +79,9 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         text = body.get("prompt")
         if not isinstance(text, str):
             raise ApiError(400, "prompt: a string is required", param="prompt")
-        tokens = llm.tokenizer.encode(text)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+        async with host.use() as (llm, _):
+            tokens = llm.tokenizer.encode(text)
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -83,68 +89,75 @@ def build_app(llm, served_name: str, api_key: str | None = None,
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ApiError(400, "tokens: a list of integers is required", param="tokens")
-        if any(not 0 <= t < llm.config.vocab_size for t in tokens):
-            raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
-        return {"prompt": llm.tokenizer.decode(tokens)}
+        async with host.use() as (llm, _):
+            if any(not 0 <= t < llm.config.vocab_size for t in tokens):
+                raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
+            return {"prompt": llm.tokenizer.decode(tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, served_name)
-        try:
-            messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
-                        for m in body.messages]
-            kwargs = dict(body.chat_template_kwargs or {})
-            text = llm.tokenizer.apply_chat_template(
-                messages, enable_thinking=bool(kwargs.pop("enable_thinking", True)), **kwargs)
-        except (ValueError, DeltaserveError, TypeError) as exc:
-            raise ApiError(400, f"messages: {exc}", param="messages") from exc
-        ids = llm.tokenizer.encode(text)
-        return await _complete(request, body, ids, "chat.completion", opens_think_block(text))
+        async with host.use() as (llm, driver):
+            try:
+                messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                            for m in body.messages]
+                kwargs = dict(body.chat_template_kwargs or {})
+                text = llm.tokenizer.apply_chat_template(
+                    messages, enable_thinking=bool(kwargs.pop("enable_thinking", True)), **kwargs)
+            except (ValueError, DeltaserveError, TypeError) as exc:
+                raise ApiError(400, f"messages: {exc}", param="messages") from exc
+            ids = llm.tokenizer.encode(text)
+            return await _complete(request, body, ids, "chat.completion", llm, driver,
+                                   opens_think_block(text))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, served_name)
-        ids = (llm.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
-               else list(body.prompt))
-        if any(not 0 <= t < llm.config.vocab_size for t in ids):
-            raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
-        return await _complete(request, body, ids, "text_completion")
+        async with host.use() as (llm, driver):
+            ids = (llm.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
+                   else list(body.prompt))
+            if any(not 0 <= t < llm.config.vocab_size for t in ids):
+                raise ApiError(400, "prompt: a token id is outside the vocabulary",
+                               param="prompt")
+            return await _complete(request, body, ids, "text_completion", llm, driver)
 
-    async def _complete(request: Request, body, ids: list[int], kind: str,
+    async def _complete(request: Request, body, ids: list[int], kind: str, llm, driver,
                         thinking: bool = False):
         num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
         if body.stream and (num_lp is not None or echo):
             raise ApiError(501, "logprobs and echo are not supported with stream yet",
                            "not_supported")
+        scoring = (kind, num_lp, echo, thinking, llm, driver)
         if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
             if not echo:
                 raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
                                param="max_tokens")
             if len(ids) > llm.max_model_len:
                 raise context_overflow(len(ids), llm.max_model_len, 0)
-            return JSONResponse(await _scored(rid_for(kind), kind, ids, [], "", "length",
-                                              body.prompt, num_lp, echo, thinking))
+            return JSONResponse(await _scored(rid_for(kind), ids, [], "", "length",
+                                              body.prompt, *scoring))
         params = _params(body, llm, len(ids))
         rid = rid_for(kind)
         events = driver.submit(rid, ids, params)
         first = await events.get()
         if first is not ADMITTED:
             raise _admission_error(first)
-        if body.stream:
+        if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
+            ev = await _next(request, rid, events, driver)
+            _raise_failure(ev)
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(request, rid, events, kind, served_name, len(ids),
-                                          usage, driver, thinking),
+                                          usage, driver, thinking, ev),
                                      media_type="text/event-stream")
         text, reason, out_ids = await _collect(request, rid, events, driver)
         if num_lp is None and not echo:
             return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids),
                                           len(out_ids), thinking))
-        return JSONResponse(await _scored(rid, kind, ids, out_ids, text, reason, body.prompt
-                                          if kind == "text_completion" else None, num_lp, echo,
-                                          thinking))
+        prompt = body.prompt if kind == "text_completion" else None
+        return JSONResponse(await _scored(rid, ids, out_ids, text, reason, prompt, *scoring))
 
-    async def _scored(rid, kind, ids, out_ids, text, reason, prompt, num_lp, echo,
-                      thinking) -> dict:
+    async def _scored(rid, ids, out_ids, text, reason, prompt, kind, num_lp, echo, thinking,
+                      llm, driver) -> dict:
         """A response with logprobs (teacher-forced on the engine thread) and/or the echoed
         prompt in front of the completion."""
         from deltaserve.server import logprobs as lp
@@ -231,15 +244,19 @@ async def _collect(request, rid, events, driver) -> tuple[str, str, list[int]]:
     parts, out_ids = [], []
     while True:
         ev = await _next(request, rid, events, driver)
-        if isinstance(ev, EngineDead):
-            raise ApiError(503, f"the engine is not running: {ev}")
-        if ev.finish_reason == "error":
-            raise ApiError(500, "the model produced non-finite logits; the request was stopped",
-                           "non_finite_logits")
+        _raise_failure(ev)
         parts.append(ev.text)
         out_ids.extend(ev.token_ids)
         if ev.finished:
             return "".join(parts), ev.finish_reason, out_ids
+
+
+def _raise_failure(ev) -> None:
+    if isinstance(ev, EngineDead):
+        raise ApiError(503, f"the engine is not running: {ev}")
+    if ev.finish_reason == "error":
+        raise ApiError(500, "the model produced non-finite logits; the request was stopped",
+                       "non_finite_logits")
 
 
 def _usage(n_prompt: int, n_out: int) -> dict:
@@ -270,7 +287,7 @@ def _response(rid, kind, model, text, reason, n_prompt, n_out, thinking=False) -
 
 
 async def _sse(request, rid, events, kind, model, n_prompt, include_usage, driver,
-               thinking=False) -> AsyncIterator[str]:
+               thinking=False, first=None) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created, n_out, finished = int(time.time()), 0, False
     splitter = ReasoningSplitter(thinking and kind == "chat.completion")
@@ -284,7 +301,8 @@ async def _sse(request, rid, events, kind, model, n_prompt, include_usage, drive
 
     try:
         while not finished:
-            ev = await _next(request, rid, events, driver)
+            ev, first = (first, None) if first is not None else (
+                await _next(request, rid, events, driver), None)
             if isinstance(ev, EngineDead) or ev.finish_reason == "error":
                 what = "non-finite logits" if not isinstance(ev, EngineDead) else str(ev)
                 err = {"error": {"message": what, "type": "server_error", "code": 500}}
@@ -306,24 +324,37 @@ async def _sse(request, rid, events, kind, model, n_prompt, include_usage, drive
             driver.abort(rid)
 
 
-def _metrics_text(driver: EngineDriver, llm, name: str) -> str:
-    sched, c = llm.engine.scheduler, driver.counters
+def _metrics_text(host: ModelHost, name: str) -> str:
+    """Prometheus text under vLLM's metric names (ours where vLLM has none or means otherwise)."""
+    c, llm, driver = host.counters, host.llm, host.driver
     label = f'{{model_name="{name}"}}'
-    usage = llm.engine.cache.usage()
-    kv_used = 1.0 - usage["blocks_free"] / max(1, usage["blocks_total"])
+    running = waiting = num_open = 0
+    kv_used = 0.0
+    engine = host.engine_totals()
+    if llm is not None:
+        sched, usage = llm.engine.scheduler, llm.engine.cache.usage()
+        running, waiting, num_open = sched.num_running, sched.num_waiting, driver.num_open
+        kv_used = 1.0 - usage["blocks_free"] / max(1, usage["blocks_total"])
     lines = [
-        f"vllm:num_requests_running{label} {sched.num_running}",
-        f"vllm:num_requests_waiting{label} {sched.num_waiting}",
+        f"vllm:num_requests_running{label} {running}",
+        f"vllm:num_requests_waiting{label} {waiting}",
         f"vllm:kv_cache_usage_perc{label} {kv_used:.6f}",
         f"vllm:prompt_tokens_total{label} {c.prompt_tokens}",
         f"vllm:generation_tokens_total{label} {c.generation_tokens}",
-        f"deltaserve:requests_open{label} {driver.num_open}",
+        f"vllm:num_preemptions_total{label} {engine['preemptions']}",
+        # lookups, not tokens (vLLM's prefix_cache_* count tokens): a hit restores a snapshot
+        f"deltaserve:prefix_cache_hits_total{label} {engine['prefix_hits']}",
+        f"deltaserve:prefix_cache_misses_total{label} {engine['prefix_misses']}",
+        f"deltaserve:model_loaded{label} {int(host.state == 'ready')}",
+        f"deltaserve:model_loads_total{label} {host.num_loads}",
+        f"deltaserve:requests_open{label} {num_open}",
         f"deltaserve:requests_aborted_total{label} {c.aborted}",
         f"deltaserve:engine_steps_total{label} {c.num_steps}",
     ]
     labels = f'model_name="{name}"'
     for metric, hist in (("vllm:time_to_first_token_seconds", c.ttft),
                          ("vllm:inter_token_latency_seconds", c.itl),
+                         ("vllm:request_decode_time_seconds", c.decode),
                          ("vllm:e2e_request_latency_seconds", c.e2e)):
         lines.extend(hist.lines(metric, labels))
     for reason, count in sorted(c.finished.items()):

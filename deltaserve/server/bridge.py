@@ -60,20 +60,25 @@ class Counters:
     ttft: Histogram = field(default_factory=Histogram)  # admission to first token
     itl: Histogram = field(default_factory=Histogram)  # between a request's tokens
     e2e: Histogram = field(default_factory=Histogram)  # admission to the last token
+    decode: Histogram = field(default_factory=Histogram)  # first token to the last
+    # engine-side totals of models unloaded earlier (the live engine's are added on export)
+    unloaded_totals: dict[str, int] = field(default_factory=dict)
 
 
 class EngineDriver:
-    def __init__(self, engine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None) -> None:
         self.engine, self.idle_wait_s = engine, idle_wait_s
-        self.counters = Counters()
+        self.counters = counters or Counters()
         self.error: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._times: dict[str, list[float]] = {}  # request -> [admitted at, last token at]
+        # request -> [admitted, last token, first token] at (monotonic s)
+        self._times: dict[str, list[float]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self.last_step_at = time.monotonic()
+        self.last_event_at = 0.0  # when a request last got tokens or finished (idle unload)
 
     def start(self) -> None:
         self._thread.start()
@@ -137,7 +142,7 @@ class EngineDriver:
                 self._fail_all()
                 return
             self.counters.num_steps += 1
-            self.last_step_at = time.monotonic()
+            self.last_step_at = self.last_event_at = time.monotonic()
             for ev in events:
                 self.counters.generation_tokens += len(ev.token_ids)
                 self._time(ev)
@@ -180,7 +185,7 @@ class EngineDriver:
                     self._streams.pop(rid, None)
                     continue
                 self.counters.prompt_tokens += len(ids)
-                self._times[rid] = [time.monotonic(), 0.0]
+                self._times[rid] = [time.monotonic(), 0.0, 0.0]
                 self._send(rid, ADMITTED)
             elif cmd[0] == "call":
                 _, fn, loop, future = cmd
@@ -202,11 +207,14 @@ class EngineDriver:
         if ev.token_ids:
             if times[1] == 0.0:
                 self.counters.ttft.observe(now - times[0])
+                times[2] = now
             else:
                 self.counters.itl.observe(now - times[1])
             times[1] = now
         if ev.finished:
             self.counters.e2e.observe(now - times[0])
+            if times[2]:
+                self.counters.decode.observe(now - times[2])
             del self._times[ev.request_id]
 
     def _send(self, rid: str, item) -> None:

@@ -65,3 +65,39 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over max_bytes gets a 413 before the app reads it, whether its size
+    is declared (Content-Length) or only discovered (chunked transfer, counted as it arrives)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:  # the server holds the body to this length
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:  # read it all (at most max_bytes kept), then replay it to the app
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        replay = iter(messages)
+
+        async def replayed():
+            return next(replay, None) or await receive()
+
+        return await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = error_response(413, f"the request body is over {self.max_bytes} bytes")
+        await response(scope, receive, send)

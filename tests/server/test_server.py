@@ -4,55 +4,19 @@ embedded default model, driven by the `openai` client and httpx."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
+from tests.server.helpers import running_server
+
 KEY = "test-key-123"
 MODEL = "stdlib-19m"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 SERVER_PID: list[int] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(*args: str):
-    """`deltaserve serve ARGS` on a free loopback port, up (its /health answers 200) until the
-    block ends; yields (base URL, process)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited: " + proc.stdout.read())
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not come up")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        yield base, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +138,18 @@ def test_keys_sizes_and_the_server_keeps_serving(server) -> None:
     big = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"a" * (5 << 20) + b'"}'
     _error(httpx.post(f"{server}/v1/completions", content=big,
                       headers={**HEADERS, "content-type": "application/json"}), 413)
+
+    def chunks(parts):  # no Content-Length: chunked transfer, the size known only as it arrives
+        yield from parts
+
+    head = b'{"model": "%s", "prompt": "' % MODEL.encode()
+    _error(httpx.post(f"{server}/v1/completions", content=chunks([head] + [b"a" * (1 << 20)] * 5
+                                                                 + [b'"}']),
+                      headers={**HEADERS, "content-type": "application/json"}), 413)
+    small = json.dumps(body).encode()
+    chunked = httpx.post(f"{server}/v1/completions", content=chunks([small[:9], small[9:]]),
+                         headers={**HEADERS, "content-type": "application/json"})
+    assert chunked.status_code == 200 and chunked.request.headers.get("content-length") is None
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # open, no key
     assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.post(f"{server}/v1/completions", json=body, headers=HEADERS).status_code == 200

@@ -1,0 +1,167 @@
+"""The served model's life: loaded in the background (the port opens first and /health answers 503
+until it is ready), unloaded after an idle spell (freeing its memory), reloaded by the next request.
+
+Requests reach the model through `async with host.use() as (llm, driver)`: that waits for a load in
+progress, starts one when the model is unloaded, and keeps the model from being unloaded while the
+handler runs. A streamed response outlives its handler; the driver's open streams keep it loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import time
+from collections.abc import Callable
+
+from deltaserve.server.bridge import Counters, EngineDriver
+from deltaserve.server.errors import ApiError
+
+LOADING, READY, UNLOADED, FAILED = "loading", "ready", "unloaded", "failed"
+
+
+class ModelHost:
+    def __init__(self, load: Callable[[], object] | None = None, llm=None,
+                 idle_unload_s: float | None = None,
+                 on_first_load_failed: Callable[[str], None] | None = None) -> None:
+        if (load is None) == (llm is None):
+            raise ValueError("ModelHost needs a loader or a loaded LLM, not both")
+        self._loader, self.idle_unload_s = load, idle_unload_s
+        self._on_first_load_failed = on_first_load_failed
+        self.counters = Counters()  # one set across reloads: /metrics counts stay monotonic
+        self.llm, self.driver = llm, None
+        self.state = UNLOADED if llm is None else READY
+        self.error: str | None = None
+        self.max_model_len: int | None = None if llm is None else llm.max_model_len
+        self.num_loads = 0 if llm is None else 1
+        self._load_task: asyncio.Task | None = None
+        self._users = 0
+        self._last_used = time.monotonic()
+        self._watcher: asyncio.Task | None = None
+
+    # ---- lifespan ----
+
+    async def start(self) -> None:
+        """On the server's event loop, before the port opens: never waits for the load."""
+        if self.llm is not None:
+            self._install(self.llm)
+        else:
+            self._begin_load()
+        if self.idle_unload_s is not None and self._loader is not None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_idle())
+
+    async def stop(self) -> None:
+        """Graceful: in-flight requests finish (the driver waits for them), then the loop ends."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._load_task is not None and not self._load_task.done():
+            await asyncio.shield(self._load_task)
+        if self.driver is not None:
+            await asyncio.to_thread(self.driver.stop)
+
+    # ---- requests ----
+
+    @contextlib.asynccontextmanager
+    async def use(self):
+        self._users += 1
+        try:
+            if self.state == UNLOADED:
+                self._begin_load()
+            if self.state == LOADING:
+                await asyncio.shield(self._load_task)
+            if self.state != READY:
+                raise ApiError(503, f"the model failed to load: {self.error}")
+            if not self.driver.alive:
+                raise ApiError(503, f"the engine is not running: {self.driver.error}")
+            yield self.llm, self.driver
+        finally:
+            self._users -= 1
+            self._last_used = time.monotonic()
+
+    def health(self) -> tuple[int, str]:
+        """(HTTP status, what /health says)."""
+        if self.state == LOADING:
+            return 503, "the model is loading"
+        if self.state == FAILED:
+            return 503, f"the model failed to load: {self.error}"
+        if self.state == UNLOADED:  # healthy: the next request loads it
+            return 200, "unloaded"
+        if not self.driver.alive:
+            return 503, f"the engine is not running: {self.driver.error}"
+        return 200, "ok"
+
+    # ---- loading and unloading ----
+
+    def _install(self, llm) -> None:
+        self.llm, self.max_model_len = llm, llm.max_model_len
+        self.driver = EngineDriver(llm.engine, counters=self.counters)
+        self.driver.start()
+        self.state, self.error = READY, None
+
+    def _begin_load(self) -> None:
+        if self._load_task is None or self._load_task.done():
+            self.state = LOADING
+            self._load_task = asyncio.get_running_loop().create_task(self._load())
+
+    async def _load(self) -> None:
+        try:
+            llm = await asyncio.to_thread(self._loader)
+        except Exception as exc:  # the waiting requests get a 503 with this message
+            self.error = f"{type(exc).__name__}: {exc}"
+            first = self.num_loads == 0
+            self.state = FAILED if first else UNLOADED  # a failed reload is retried next request
+            if first and self._on_first_load_failed is not None:
+                self._on_first_load_failed(self.error)
+            return
+        self.num_loads += 1
+        self._install(llm)
+        self._last_used = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the model last had work (0 while it has some)."""
+        if self._users or (self.driver is not None and self.driver.num_open):
+            return 0.0
+        last = max(self._last_used, self.driver.last_event_at if self.driver else 0.0)
+        return time.monotonic() - last
+
+    async def _watch_idle(self) -> None:
+        tick = min(max(self.idle_unload_s / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(tick)
+            if self.state == READY and self.idle_s() >= self.idle_unload_s:
+                await self.unload()
+
+    def engine_totals(self) -> dict[str, int]:
+        """Preemptions and prefix-cache lookups over every load of the model (monotonic)."""
+        totals = dict(self.counters.unloaded_totals)
+        for key, value in _engine_counts(self.llm).items():
+            totals[key] = totals.get(key, 0) + value
+        return {k: totals.get(k, 0) for k in ("preemptions", "prefix_hits", "prefix_misses")}
+
+    async def unload(self) -> None:
+        self.counters.unloaded_totals = self.engine_totals()
+        driver, self.driver, self.llm = self.driver, None, None
+        self.state = UNLOADED
+        await asyncio.to_thread(driver.stop)
+        del driver
+        _release_memory()
+
+
+def _engine_counts(llm) -> dict[str, int]:
+    if llm is None:
+        return {}
+    prefix = llm.engine.cache.prefix
+    stats = prefix.stats() if prefix is not None else {"hits": 0, "misses": 0}
+    return {"preemptions": llm.engine.scheduler.num_preemptions_total,
+            "prefix_hits": stats["hits"], "prefix_misses": stats["misses"]}
+
+
+def _release_memory() -> None:
+    import torch
+
+    from deltaserve.layers import linear
+
+    linear.release_scratch()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
