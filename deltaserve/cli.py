@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--seed", type=int, default=0)
     val.add_argument("--tolerance", type=float, default=None, help="max logits rel-L2")
     bench = sub.add_parser(
-        "bench", help="prefill/decode tokens/s, ours and transformers in one run"
+        "bench", help="prefill/decode tokens/s, ours and transformers in one run ('bench serve "
+        "--help': load against a running server)"
     )
     _model_args(bench, dtype_default="bfloat16")
     bench.add_argument("--prefill-lens", default=None,
@@ -152,6 +153,11 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # a client of a running server: its own flags
+        from deltaserve.bench.serve import main as bench_serve
+
+        return bench_serve(argv[2:])
     args = build_parser().parse_args(argv)
     if getattr(args, "gpu_backend", None):  # the env knob is the one place engines read it from
         os.environ["DELTASERVE_GPU_BACKEND"] = args.gpu_backend
