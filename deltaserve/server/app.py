@@ -7,24 +7,21 @@ Handlers validate and tokenize on the event loop, hand the request to the engine
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import itertools
 import json
-import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deltaserve.engine.sampling import SamplingParams
-from deltaserve.errors import DeltaserveError, QueueFullError
-from deltaserve.server.bridge import ADMITTED, EngineDead, EngineDriver
+from deltaserve.errors import DeltaserveError
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from deltaserve.server.reasoning import ReasoningSplitter, opens_think_block, split
+from deltaserve.server.reasoning import opens_think_block
+from deltaserve.server.stream import Choices, collect, response, sse
 
 OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
 _ids = itertools.count()
@@ -128,49 +125,49 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             raise ApiError(501, "logprobs and echo are not supported with stream yet",
                            "not_supported")
         scoring = (kind, num_lp, echo, thinking, llm, driver)
+        prompt = body.prompt if kind == "text_completion" else None
         if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
             if not echo:
                 raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
                                param="max_tokens")
             if len(ids) > llm.max_model_len:
                 raise context_overflow(len(ids), llm.max_model_len, 0)
-            return JSONResponse(await _scored(rid_for(kind), ids, [], "", "length",
-                                              body.prompt, *scoring))
+            return JSONResponse(await _scored(rid_for(kind), ids, [("", "length", [])] * body.n,
+                                              prompt, *scoring))
         params = _params(body, llm, len(ids))
-        rid = rid_for(kind)
-        events = driver.submit(rid, ids, params)
-        first = await events.get()
-        if first is not ADMITTED:
-            raise _admission_error(first)
+        choices = Choices(rid_for(kind), body.n, driver)
+        await choices.submit(ids, params)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
-            ev = await _next(request, rid, events, driver)
-            _raise_failure(ev)
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(request, rid, events, kind, served_name, len(ids),
-                                          usage, driver, thinking, ev),
-                                     media_type="text/event-stream")
-        text, reason, out_ids = await _collect(request, rid, events, driver)
+            first = await choices.next(request)
+            choices.fail_on(first[1])
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(request, choices, kind, served_name, len(ids), include,
+                                         thinking, first), media_type="text/event-stream")
+        outs = await collect(choices, request)
         if num_lp is None and not echo:
-            return JSONResponse(_response(rid, kind, served_name, text, reason, len(ids),
-                                          len(out_ids), thinking))
-        prompt = body.prompt if kind == "text_completion" else None
-        return JSONResponse(await _scored(rid, ids, out_ids, text, reason, prompt, *scoring))
+            return JSONResponse(response(choices.rid, kind, served_name,
+                                         [(t, r) for t, r, _ in outs], len(ids),
+                                         sum(len(o) for _, _, o in outs), thinking))
+        return JSONResponse(await _scored(choices.rid, ids, outs, prompt, *scoring))
 
-    async def _scored(rid, ids, out_ids, text, reason, prompt, kind, num_lp, echo, thinking,
-                      llm, driver) -> dict:
+    async def _scored(rid, ids, outs, prompt, kind, num_lp, echo, thinking, llm,
+                      driver) -> dict:
         """A response with logprobs (teacher-forced on the engine thread) and/or the echoed
-        prompt in front of the completion."""
+        prompt in front of each choice."""
         from deltaserve.server import logprobs as lp
 
-        every = ids + out_ids
-        start = 0 if echo else len(ids)
+        head = ""
         if echo:
-            text = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) + text
-        out = _response(rid, kind, served_name, text, reason, len(ids), len(out_ids), thinking)
+            head = prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
+        out = response(rid, kind, served_name, [(head + t, r) for t, r, _ in outs], len(ids),
+                       sum(len(o) for _, _, o in outs), thinking)
         if num_lp is not None:
             fn = lp.completion_logprobs if kind == "text_completion" else lp.chat_logprobs
-            out["choices"][0]["logprobs"] = await driver.call(
-                lambda: fn(llm, every, start, num_lp))
+            start = 0 if echo else len(ids)
+            for i, (_, _, out_ids) in enumerate(outs):
+                every = ids + out_ids
+                out["choices"][i]["logprobs"] = await driver.call(
+                    lambda every=every: fn(llm, every, start, num_lp))
         return out
 
     return app
@@ -199,129 +196,28 @@ def _check_model(name: str, served_name: str) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
 
 
-def _params(body, llm, num_prompt: int) -> SamplingParams:
+def _params(body, llm, num_prompt: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i samples with seed + i (reproducible,
+    and the choices differ)."""
     limit = body.token_limit()
     room = llm.max_model_len - num_prompt
     if room < 1 or (limit is not None and limit > room):
         raise context_overflow(num_prompt, llm.max_model_len, limit or 1)
     default = llm.get_default_sampling_params()
     try:
-        return SamplingParams(
+        return [SamplingParams(
             temperature=default.temperature if body.temperature is None else body.temperature,
             top_p=default.top_p if body.top_p is None else body.top_p,
             top_k=default.top_k if body.top_k is None else max(body.top_k, 0),
             min_p=default.min_p if body.min_p is None else body.min_p,
-            seed=body.seed, max_tokens=limit, stop=tuple(body.stop or ()),
-            ignore_eos=body.ignore_eos)
+            seed=None if body.seed is None else (body.seed + i) % 2**63, max_tokens=limit,
+            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos) for i in range(body.n)]
     except (ValueError, DeltaserveError) as exc:
         raise ApiError(400, str(exc)) from exc
 
 
-def _admission_error(item) -> ApiError:
-    if isinstance(item, QueueFullError):
-        return ApiError(503, str(item), "server_overloaded")
-    if isinstance(item, EngineDead):
-        return ApiError(503, f"the engine is not running: {item}")
-    return ApiError(400, str(item))
-
-
-async def _next(request: Request, rid: str, events: asyncio.Queue, driver: EngineDriver):
-    """The next event; polls for a client that went away (then aborts and raises)."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                driver.abort(rid)
-                raise asyncio.CancelledError from None
-
-
 def rid_for(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
-
-
-async def _collect(request, rid, events, driver) -> tuple[str, str, list[int]]:
-    parts, out_ids = [], []
-    while True:
-        ev = await _next(request, rid, events, driver)
-        _raise_failure(ev)
-        parts.append(ev.text)
-        out_ids.extend(ev.token_ids)
-        if ev.finished:
-            return "".join(parts), ev.finish_reason, out_ids
-
-
-def _raise_failure(ev) -> None:
-    if isinstance(ev, EngineDead):
-        raise ApiError(503, f"the engine is not running: {ev}")
-    if ev.finish_reason == "error":
-        raise ApiError(500, "the model produced non-finite logits; the request was stopped",
-                       "non_finite_logits")
-
-
-def _usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out}
-
-
-def _choice(kind: str, text: str, reason: str | None, delta: bool,
-            reasoning: str | None = None) -> dict:
-    if kind == "text_completion":
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    if delta:  # only what this chunk adds
-        msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning)) if v}
-        return {"index": 0, "delta": msg, "logprobs": None, "finish_reason": reason}
-    msg = {"role": "assistant", "content": text}
-    if reasoning is not None:
-        msg["reasoning_content"] = reasoning
-    return {"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}
-
-
-def _response(rid, kind, model, text, reason, n_prompt, n_out, thinking=False) -> dict:
-    reasoning = None
-    if kind == "chat.completion":
-        reasoning, text = split(text, thinking)
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [_choice(kind, text, reason, False, reasoning)],
-            "usage": _usage(n_prompt, n_out)}
-
-
-async def _sse(request, rid, events, kind, model, n_prompt, include_usage, driver,
-               thinking=False, first=None) -> AsyncIterator[str]:
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    created, n_out, finished = int(time.time()), 0, False
-    splitter = ReasoningSplitter(thinking and kind == "chat.completion")
-
-    def frame(choices, usage=None) -> str:
-        body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
-                "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    try:
-        while not finished:
-            ev, first = (first, None) if first is not None else (
-                await _next(request, rid, events, driver), None)
-            if isinstance(ev, EngineDead) or ev.finish_reason == "error":
-                what = "non-finite logits" if not isinstance(ev, EngineDead) else str(ev)
-                err = {"error": {"message": what, "type": "server_error", "code": 500}}
-                yield f"data: {json.dumps(err)}\n\n"  # mid-stream errors as vLLM sends them
-                return
-            n_out += len(ev.token_ids)
-            finished = ev.finished
-            reasoning, text = splitter.push(ev.text)
-            if finished:
-                reasoning += splitter.finish()[0]
-            if text or reasoning or finished:
-                yield frame([_choice(kind, text, ev.finish_reason if finished else None, True,
-                                     reasoning)])
-        if include_usage:
-            yield frame([], _usage(n_prompt, n_out))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client went away (or the stream failed): free its slot
-            driver.abort(rid)
 
 
 def _metrics_text(host: ModelHost, name: str) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: each choice is a sequence slot
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +46,7 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request (documented limit)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: n engine requests, one prompt
     ignore_eos: bool = False
 
     @field_validator("stop")

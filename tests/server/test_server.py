@@ -330,3 +330,39 @@ def test_schema_fuzz_finds_no_server_errors(server) -> None:
         torch.set_flush_denormal(True)  # as deltaserve.checkpoint.loader leaves this process
     assert any("chat/completions" in label for label in labels)
     assert not failures, failures[:5]
+
+
+def test_n_choices_sample_each_with_its_own_seed_and_stream_by_index(server) -> None:
+    body = {"model": MODEL, "prompt": "The river", "max_tokens": 10, "temperature": 1.0,
+            "seed": 3, "ignore_eos": True}
+    many = httpx.post(f"{server}/v1/completions", json={**body, "n": 3}, headers=HEADERS,
+                      timeout=60).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert many["usage"]["completion_tokens"] == 30 and many["usage"]["prompt_tokens"] > 0
+    for i, c in enumerate(many["choices"]):  # choice i == a lone request seeded seed + i
+        one = httpx.post(f"{server}/v1/completions", json={**body, "seed": 3 + i},
+                         headers=HEADERS, timeout=60).json()
+        assert c["text"] == one["choices"][0]["text"] and c["finish_reason"] == "length"
+    texts = {c["text"] for c in many["choices"]}
+    assert len(texts) > 1  # temperature 1 over 10 tokens: the seeds really differ
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "temperature": 0, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    parts, reasons, usage = {0: "", 1: ""}, {}, None
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=chat, headers=HEADERS,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                frame = json.loads(line[6:])
+                for c in frame["choices"]:
+                    parts[c["index"]] += c["delta"].get("content", "")
+                    if c["finish_reason"]:
+                        reasons[c["index"]] = c["finish_reason"]
+                usage = frame.get("usage") or usage
+    whole = httpx.post(f"{server}/v1/chat/completions", json={**chat, "stream": False},
+                       headers=HEADERS, timeout=60).json()
+    assert [parts[0], parts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert set(reasons) == {0, 1} and usage["completion_tokens"] == \
+        whole["usage"]["completion_tokens"]
+    too_many = httpx.post(f"{server}/v1/completions", json={**body, "n": 17}, headers=HEADERS)
+    assert _error(too_many, 400)["param"] == "n"

@@ -1,0 +1,162 @@
+"""One API request's choices (n >= 1 engine requests on the same prompt) and the responses built
+from their events: a whole JSON body, or an SSE stream whose chunks name their choice's index.
+
+A client that goes away, or one choice that fails, aborts every choice still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from deltaserve.errors import QueueFullError
+from deltaserve.server.bridge import ADMITTED, EngineDead
+from deltaserve.server.errors import ApiError
+from deltaserve.server.reasoning import ReasoningSplitter, split
+
+
+class Choices:
+    def __init__(self, rid: str, n: int, driver) -> None:
+        self.rid, self.driver = rid, driver
+        self.rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        self.merged: asyncio.Queue = asyncio.Queue()  # (choice index, event)
+        self._tasks: list[asyncio.Task] = []
+
+    async def submit(self, ids: list[int], params: list) -> None:
+        """Every choice admitted, or none (the admitted ones are aborted) and an ApiError."""
+        queues = [self.driver.submit(r, ids, p) for r, p in zip(self.rids, params, strict=True)]
+        firsts = [await q.get() for q in queues]
+        refused = next((f for f in firsts if f is not ADMITTED), None)
+        if refused is not None:
+            self.abort()
+            raise _admission_error(refused)
+        self._tasks = [asyncio.create_task(self._forward(i, q)) for i, q in enumerate(queues)]
+
+    async def _forward(self, index: int, events: asyncio.Queue) -> None:
+        while True:
+            ev = await events.get()
+            self.merged.put_nowait((index, ev))
+            if isinstance(ev, Exception) or ev.finished:
+                return
+
+    def abort(self) -> None:
+        for rid in self.rids:  # finished or unknown ids are ignored by the driver
+            self.driver.abort(rid)
+        for task in self._tasks:
+            task.cancel()
+
+    async def next(self, request):
+        """The next (index, event); polls for a client that went away (then aborts, raises)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.merged.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.abort()
+                    raise asyncio.CancelledError from None
+
+    def fail_on(self, ev) -> None:
+        """A failed choice fails the request: the others are aborted, the status is 5xx."""
+        if isinstance(ev, EngineDead):
+            self.abort()
+            raise ApiError(503, f"the engine is not running: {ev}")
+        if ev.finish_reason == "error":
+            self.abort()
+            raise ApiError(500, "the model produced non-finite logits; the request was stopped",
+                           "non_finite_logits")
+
+
+def _admission_error(item) -> ApiError:
+    if isinstance(item, QueueFullError):
+        return ApiError(503, str(item), "server_overloaded")
+    if isinstance(item, EngineDead):
+        return ApiError(503, f"the engine is not running: {item}")
+    return ApiError(400, str(item))
+
+
+async def collect(choices: Choices, request) -> list[tuple[str, str, list[int]]]:
+    """Per choice: (text, finish reason, token ids)."""
+    n = len(choices.rids)
+    parts: list[list[str]] = [[] for _ in range(n)]
+    ids: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    while any(r is None for r in reasons):
+        i, ev = await choices.next(request)
+        choices.fail_on(ev)
+        parts[i].append(ev.text)
+        ids[i].extend(ev.token_ids)
+        if ev.finished:
+            reasons[i] = ev.finish_reason or "stop"
+    return [("".join(parts[i]), reasons[i], ids[i]) for i in range(n)]
+
+
+def usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+def choice(kind: str, index: int, text: str, reason: str | None, delta: bool,
+           reasoning: str | None = None) -> dict:
+    if kind == "text_completion":
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    if delta:  # only what this chunk adds
+        msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning)) if v}
+        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": reason}
+    msg = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason}
+
+
+def response(rid, kind, model, outs: list[tuple[str, str]], n_prompt: int, n_out: int,
+             thinking: bool = False) -> dict:
+    """outs: per choice (text, finish reason)."""
+    built = []
+    for i, (text, reason) in enumerate(outs):
+        reasoning = None
+        if kind == "chat.completion":
+            reasoning, text = split(text, thinking)
+        built.append(choice(kind, i, text, reason, False, reasoning))
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "choices": built, "usage": usage(n_prompt, n_out)}
+
+
+async def sse(request, choices: Choices, kind: str, model: str, n_prompt: int,
+              include_usage: bool, thinking: bool = False, first=None) -> AsyncIterator[str]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    created, n_out, n = int(time.time()), 0, len(choices.rids)
+    splitters = [ReasoningSplitter(thinking and kind == "chat.completion") for _ in range(n)]
+    open_choices = set(range(n))
+
+    def frame(items, use=None) -> str:
+        body = {"id": choices.rid, "object": chunk_kind, "created": created, "model": model,
+                "choices": items}
+        if include_usage:
+            body["usage"] = use
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        while open_choices:
+            (i, ev), first = (first, None) if first is not None else (
+                await choices.next(request), None)
+            if isinstance(ev, EngineDead) or ev.finish_reason == "error":
+                what = "non-finite logits" if not isinstance(ev, EngineDead) else str(ev)
+                err = {"error": {"message": what, "type": "server_error", "code": 500}}
+                yield f"data: {json.dumps(err)}\n\n"  # mid-stream errors as vLLM sends them
+                return
+            n_out += len(ev.token_ids)
+            reasoning, text = splitters[i].push(ev.text)
+            if ev.finished:
+                open_choices.discard(i)
+                reasoning += splitters[i].finish()[0]
+            if text or reasoning or ev.finished:
+                reason = (ev.finish_reason or "stop") if ev.finished else None
+                yield frame([choice(kind, i, text, reason, True, reasoning)])
+        if include_usage:
+            yield frame([], usage(n_prompt, n_out))
+        yield "data: [DONE]\n\n"
+    finally:
+        if open_choices:  # the client went away (or the stream failed): free the slots
+            choices.abort()
