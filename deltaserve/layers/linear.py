@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.env import env
+from deltaserve.ops import triton_gemv
 from deltaserve.ops.gemv import gemm_small, gemv
 
 # From this many rows up a bf16/fp16 weight is widened once to the activation dtype and the GEMM runs
@@ -86,7 +88,19 @@ def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A CUDA decode row on a 16-bit weight whose shape has a tuned Triton GEMV: only there did
+    scripts/gpu/gemv_tune.py measure it beating cuBLAS (elsewhere F.linear stays)."""
+    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and triton_gemv.config_for(weight.shape[0], weight.shape[1]) is not None
+            and weight.is_contiguous() and not env().reference_ops and triton_gemv.available())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cuda" and _triton_gemv(x, weight):
+        out = triton_gemv.gemv16_cuda(x.reshape(1, x.shape[-1]), weight)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]

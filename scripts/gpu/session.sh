@@ -3,6 +3,7 @@
 #   DELTASERVE_GIT_COMMIT=<sha> bash scripts/gpu/session.sh check   # tests + parity.py
 # (the device's copy of the tree has a stale .git: pass the commit so records name it)
 #   bash scripts/gpu/session.sh bench   # bench --device cuda (0.8B, 2B, portable) + batch bench
+#   bash scripts/gpu/session.sh tune    # dense GEMV tests + scripts/gpu/gemv_tune.py
 #   bash scripts/gpu/session.sh ours    # the 0.8B bench and the batch bench without the peers
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
@@ -36,6 +37,11 @@ bench)
         --decode-tokens 128 --formats bf16 --prefill-lens 2048,8192 --peer none \
         --out "$OUT/bench-cuda-portable.json" 2>&1 | quiet 8
     python3 scripts/gpu/batch_bench.py --int8 --out "$OUT/batch-bench.json" 2>&1 | quiet 6
+    ;;
+tune)  # the dense 16-bit GEMV: its parity tests, then the per-shape sweep against cuBLAS
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_gemv.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -3
+    python3 scripts/gpu/gemv_tune.py --out "$OUT/gemv_tune.json" 2>&1 | grep -v -i warn | tail -40
     ;;
 ours)  # our engine only (the peers measured by `bench` earlier the same day), after a few tests
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \

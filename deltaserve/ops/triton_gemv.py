@@ -1,0 +1,89 @@
+"""Decode GEMV on dense 16-bit weights for CUDA GPUs (Triton), fp32 accumulation.
+
+Batch-1 decode runs ~97 dense GEMVs per token (x [1, K] times W [N, K]); there cuBLAS is bound by
+launch latency and small grids, not by bandwidth. One program computes BLOCK_N output rows and walks
+K in steps of BLOCK_K columns: a [BLOCK_N, BLOCK_K] tile of W (contiguous along K, so coalesced),
+times x, accumulated elementwise in fp32 and reduced once after the loop (as the int8 path of
+ops/triton_qgemv; no tl.dot, which buys nothing for one row). SPLIT_K > 1 adds a second grid axis
+over K for shapes with few rows and long K (too few programs to fill the GPU): each split writes
+fp32 partials [SPLIT_K, N] that torch sums, deterministic where atomics would not be.
+
+The reference is F.linear on fp32 copies. layers/linear.linear dispatches here only for shapes in
+TUNED, i.e. only where scripts/gpu/gemv_tune.py's H200 run showed this kernel beating cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv16_kernel(W, X, Y, N, K, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K: splits never overlap
+        for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            w = tl.load(W + rows[:, None] * K + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            x = tl.load(X + cols, mask=col_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if SPLIT_K == 1:
+            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+        else:  # fp32 partials: row pid_k of [SPLIT_K, N]
+            tl.store(Y + pid_k * N + rows, y, mask=row_ok)
+
+
+# (K, N window [lo, hi)) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Empty until
+# `python scripts/gpu/gemv_tune.py` has run on an H200: it prints the entries to paste here, one per
+# decode shape where this kernel's L2-cold time beat cuBLAS's. No entry, no dispatch (F.linear).
+Config = tuple[int, int, int, int, int]
+TUNED: dict[tuple[int, int, int], Config] = {}
+# Explicit calls without a config and outside TUNED (tests, the tune script's baseline).
+DEFAULT: Config = (8, 512, 4, 1, 1)
+
+
+def config_for(n: int, k: int) -> Config | None:
+    """The tuned config for an [n, k] weight, or None: cuBLAS is (or may be) faster there."""
+    for (kk, lo, hi), cfg in TUNED.items():
+        if kk == k and lo <= n < hi:
+            return cfg
+    return None
+
+
+def gemv16_cuda(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """x [1, K] (bf16 / fp16 / fp32) times weight [N, K] (contiguous, 16-bit; fp32 also works)
+    -> [1, N] in x's dtype, fp32 math inside the kernel (no cast kernels around it)."""
+    n, k = weight.shape
+    if x.shape != (1, k):
+        raise ValueError(f"gemv16_cuda: x must be [1, {k}], got {list(x.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("gemv16_cuda: weight must be contiguous")
+    config = config or config_for(n, k) or DEFAULT
+    return _launch(x.contiguous(), weight, config)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor:
+    block_n, block_k, warps, stages, split_k = config
+    n, k = weight.shape
+    if split_k == 1:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        k_per_split = k
+    else:
+        y = torch.empty(split_k, n, dtype=torch.float32, device=x.device)
+        k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    _gemv16_kernel[(triton.cdiv(n, block_n), split_k)](
+        weight, x, y, n, k, k_per_split, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        num_warps=warps, num_stages=stages)
+    if split_k == 1:
+        return y
+    return y.sum(dim=0, keepdim=True).to(x.dtype)
