@@ -44,7 +44,7 @@ tune)  # the dense 16-bit GEMV: its parity tests, then the per-shape sweep again
     python3 scripts/gpu/gemv_tune.py --out "$OUT/gemv_tune.json" 2>&1 | grep -v -i warn | tail -40
     ;;
 ours)  # our engine only (the peers measured by `bench` earlier the same day), after a few tests
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py tests/ops/test_triton_gemv.py \
         tests/engine/test_cuda_graphs.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -3
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --peer none \
         --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 4
