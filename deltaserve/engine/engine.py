@@ -40,6 +40,8 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (non-finite logits)
     stop_reason: int | str | None = None
+    # with params.logprobs: per token in token_ids, (its logprob, ((alternative id, logprob), ...))
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +71,9 @@ class Engine:
         if self.config.greedy_head and not params.greedy:
             raise RequestError("this engine runs the greedy-only head (no logits are computed): "
                                f"temperature must be 0, got {params.temperature}")
+        if self.config.greedy_head and params.logprobs is not None:
+            raise RequestError("this engine runs the greedy-only head (no logits are computed): "
+                               "logprobs are not available")
         budget = self.max_model_len - len(prompt_ids)
         if budget < 1:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context limit is "
@@ -105,10 +110,11 @@ class Engine:
                    for c in plan.chunks if len(c.token_ids) > 1}
         logits = self.runner.execute(plan, all_ids)
         sampled, failed = self._sample(logits)
+        lps = self._logprobs(logits, sampled)
         errors = [self._fail(rid) for rid in sorted(failed)]
         self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
         self.num_steps += 1
-        return errors + [self._emit(rid, token) for rid, token in sampled.items()]
+        return errors + [self._emit(rid, token, lps.get(rid)) for rid, token in sampled.items()]
 
     def _fail(self, rid: str) -> StepOutput:
         """Non-finite logits: the request ends with an error (never NaN text), its slot and blocks
@@ -142,7 +148,25 @@ class Engine:
             out.update(zip(rest, drawn, strict=True))
         return {rid: out[rid] for rid in logits if rid in out}, failed
 
-    def _emit(self, rid: str, token: int) -> StepOutput:
+    def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:
+        """For requests that asked: log_softmax of their raw logits rows, the sampled token's
+        value and the top alternatives (one batched pass over the asking rows)."""
+        want = [rid for rid in sampled if self._live[rid].params.logprobs is not None]
+        if not want:
+            return {}
+        logp = torch.log_softmax(torch.stack([logits[rid] for rid in want]).float(), dim=-1)
+        chosen = torch.tensor([sampled[rid] for rid in want], device=logp.device)
+        token_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(self._live[rid].params.logprobs for rid in want)
+        vals, idxs = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+        vals, idxs = vals.tolist(), idxs.tolist()
+        out = {}
+        for i, rid in enumerate(want):
+            k_r = self._live[rid].params.logprobs
+            out[rid] = ((token_lp[i], tuple(zip(idxs[i][:k_r], vals[i][:k_r], strict=True))),)
+        return out
+
+    def _emit(self, rid: str, token: int, lp: tuple | None = None) -> StepOutput:
         live, req = self._live[rid], self.scheduler.get(rid)
         live.t_first = live.t_first or time.perf_counter()
         ended = live.stops.token_stop(token)
@@ -152,13 +176,13 @@ class Engine:
         elif ended is None and len(req.output_ids) >= live.max_new:
             ended = ("length", None)
         if not ended:
-            return StepOutput(rid, text, (token,))
+            return StepOutput(rid, text, (token,), logprobs=lp)
         if stop_str is None:  # text held back by the detokenizer or a partial stop match
             tail, hit = live.stops.add_text(live.detok.flush())
             text += tail if hit is not None else tail + live.stops.finish()
         self.scheduler.finish(rid, ended[0])
         del self._live[rid]
-        return StepOutput(rid, text, (token,), True, ended[0], ended[1])
+        return StepOutput(rid, text, (token,), True, ended[0], ended[1], lp)
 
     def export_prefix_cache(self, path) -> int:
         from deltaserve.cache.snapshot_io import export_snapshots

@@ -153,6 +153,10 @@ class LLM:
                     out.text += ev.text
                     out.token_ids.extend(ev.token_ids)
                     out.finish_reason, out.stop_reason = ev.finish_reason, ev.stop_reason
+                    if ev.logprobs is not None:
+                        out.logprobs = (out.logprobs or []) + [
+                            {tok: lp, **dict(alts)} for tok, (lp, alts)
+                            in zip(ev.token_ids, ev.logprobs, strict=True)]
                     done += ev.finished
         finally:
             for rid in rids:  # an exception (or Ctrl-C) must not leave requests holding slots

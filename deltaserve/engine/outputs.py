@@ -12,6 +12,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (EOS, stop id or string), "length", "error" (NaN/inf)
     stop_reason: int | str | None = None  # the stop id or string that ended it, None for EOS/length
+    # with SamplingParams.logprobs: per token {token id: logprob}, the sampled token and the top
+    # alternatives (vLLM's shape, plain floats)
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ import torch
 
 from deltaserve.errors import RequestError
 
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -24,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # per generated token: its log-probability under the raw model distribution (before
+    # temperature and filters, as vLLM reports) and this many most likely alternatives; None = off
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +47,8 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must not be empty"),
             (self.seed is None or 0 <= self.seed < 2**63,
              f"seed must be in [0, 2**63), got {self.seed}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:

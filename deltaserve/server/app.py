@@ -21,7 +21,7 @@ from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, erro
 from deltaserve.server.host import ModelHost
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaserve.server.reasoning import opens_think_block
-from deltaserve.server.stream import Choices, collect, response, sse
+from deltaserve.server.stream import Choices, StreamSpec, collect, response, sse
 
 OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
 _ids = itertools.count()
@@ -121,9 +121,9 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     async def _complete(request: Request, body, ids: list[int], kind: str, llm, driver,
                         thinking: bool = False):
         num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
-        if body.stream and (num_lp is not None or echo):
-            raise ApiError(501, "logprobs and echo are not supported with stream yet",
-                           "not_supported")
+        if body.stream and body.token_limit() == 0:
+            raise ApiError(400, "max_tokens: 0 (scoring the prompt) needs stream off",
+                           param="max_tokens")
         scoring = (kind, num_lp, echo, thinking, llm, driver)
         prompt = body.prompt if kind == "text_completion" else None
         if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
@@ -134,15 +134,24 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                 raise context_overflow(len(ids), llm.max_model_len, 0)
             return JSONResponse(await _scored(rid_for(kind), ids, [("", "length", [])] * body.n,
                                               prompt, *scoring))
-        params = _params(body, llm, len(ids))
+        params = _params(body, llm, len(ids), num_lp if body.stream else None)
+        if body.stream:
+            spec = StreamSpec(kind, served_name, len(ids), bool(
+                body.stream_options and body.stream_options.include_usage), thinking,
+                llm.tokenizer.decode, num_lp or 0)
+            if echo:  # the prompt (and its teacher-forced logprobs) opens every choice
+                from deltaserve.server import logprobs as lp
+
+                head = prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
+                spec.echo = (head, None if num_lp is None else await driver.call(
+                    lambda: lp.completion_logprobs(llm, ids, 0, num_lp)))
         choices = Choices(rid_for(kind), body.n, driver)
         await choices.submit(ids, params)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
             first = await choices.next(request)
             choices.fail_on(first[1])
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(request, choices, kind, served_name, len(ids), include,
-                                         thinking, first), media_type="text/event-stream")
+            return StreamingResponse(sse(request, choices, spec, first),
+                                     media_type="text/event-stream")
         outs = await collect(choices, request)
         if num_lp is None and not echo:
             return JSONResponse(response(choices.rid, kind, served_name,
@@ -196,7 +205,7 @@ def _check_model(name: str, served_name: str) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
 
 
-def _params(body, llm, num_prompt: int) -> list[SamplingParams]:
+def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i samples with seed + i (reproducible,
     and the choices differ)."""
     limit = body.token_limit()
@@ -211,7 +220,8 @@ def _params(body, llm, num_prompt: int) -> list[SamplingParams]:
             top_k=default.top_k if body.top_k is None else max(body.top_k, 0),
             min_p=default.min_p if body.min_p is None else body.min_p,
             seed=None if body.seed is None else (body.seed + i) % 2**63, max_tokens=limit,
-            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos) for i in range(body.n)]
+            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=logprobs)
+            for i in range(body.n)]
     except (ValueError, DeltaserveError) as exc:
         raise ApiError(400, str(exc)) from exc
 

@@ -62,3 +62,27 @@ def chat_logprobs(llm, ids: list[int], start: int, top_k: int) -> dict:
         content.append({"token": tok, "logprob": token_lps[i], "bytes": list(tok.encode()),
                         "top_logprobs": alts})
     return {"content": content}
+
+
+def step_logprobs(kind: str, decode, token_ids, entries, top_k: int, offset: int) -> tuple[dict,
+                                                                                           int]:
+    """The `logprobs` object of one streamed chunk from the engine's own per-token values
+    (StepOutput.logprobs: (logprob, ((id, logprob), ...)) per token), and the text offset after
+    it (completions count offsets from the start of the returned text)."""
+    if kind == "chat.completion":
+        content = []
+        for tok_id, (lp, alts) in zip(token_ids, entries, strict=True):
+            tok = decode([tok_id])
+            top = [{"token": (t := decode([i])), "logprob": v, "bytes": list(t.encode())}
+                   for i, v in alts]
+            content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                            "top_logprobs": top})
+        return {"content": content}, offset
+    tokens, offsets = [], []
+    for tok_id in token_ids:
+        tokens.append(decode([tok_id]))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    tops = [{decode([i]): v for i, v in alts} for _, alts in entries] if top_k > 0 else None
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}, offset

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from deltaserve.engine.sampling import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence slot
 
@@ -58,7 +60,6 @@ class _Sampling(BaseModel):
         return stops
 
 
-MAX_LOGPROBS = 20
 
 
 class ChatCompletionRequest(_Sampling):

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from deltaserve.errors import QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead
@@ -123,21 +124,42 @@ def response(rid, kind, model, outs: list[tuple[str, str]], n_prompt: int, n_out
             "choices": built, "usage": usage(n_prompt, n_out)}
 
 
-async def sse(request, choices: Choices, kind: str, model: str, n_prompt: int,
-              include_usage: bool, thinking: bool = False, first=None) -> AsyncIterator[str]:
+@dataclass
+class StreamSpec:
+    """How a stream renders: its kind, usage, the reasoning split, and for logprobs the
+    tokenizer's decode and the alternatives per token; `echo` = (prompt text, its logprobs
+    object or None), sent first in every choice."""
+
+    kind: str
+    model: str
+    n_prompt: int
+    include_usage: bool = False
+    thinking: bool = False
+    decode: object = None
+    top_k: int = 0
+    echo: tuple[str, dict | None] | None = None
+
+
+async def sse(request, choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
+    from deltaserve.server.logprobs import step_logprobs
+
+    kind = spec.kind
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created, n_out, n = int(time.time()), 0, len(choices.rids)
-    splitters = [ReasoningSplitter(thinking and kind == "chat.completion") for _ in range(n)]
+    splitters = [ReasoningSplitter(spec.thinking and kind == "chat.completion") for _ in range(n)]
     open_choices = set(range(n))
+    offsets = [len(spec.echo[0]) if spec.echo else 0] * n
 
     def frame(items, use=None) -> str:
-        body = {"id": choices.rid, "object": chunk_kind, "created": created, "model": model,
+        body = {"id": choices.rid, "object": chunk_kind, "created": created, "model": spec.model,
                 "choices": items}
-        if include_usage:
+        if spec.include_usage:
             body["usage"] = use
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
+        for i in range(n) if spec.echo else ():
+            yield frame([{**choice(kind, i, spec.echo[0], None, True), "logprobs": spec.echo[1]}])
         while open_choices:
             (i, ev), first = (first, None) if first is not None else (
                 await choices.next(request), None)
@@ -151,11 +173,15 @@ async def sse(request, choices: Choices, kind: str, model: str, n_prompt: int,
             if ev.finished:
                 open_choices.discard(i)
                 reasoning += splitters[i].finish()[0]
-            if text or reasoning or ev.finished:
+            if text or reasoning or ev.finished or ev.logprobs:
                 reason = (ev.finish_reason or "stop") if ev.finished else None
-                yield frame([choice(kind, i, text, reason, True, reasoning)])
-        if include_usage:
-            yield frame([], usage(n_prompt, n_out))
+                item = choice(kind, i, text, reason, True, reasoning)
+                if ev.logprobs:
+                    item["logprobs"], offsets[i] = step_logprobs(
+                        kind, spec.decode, ev.token_ids, ev.logprobs, spec.top_k, offsets[i])
+                yield frame([item])
+        if spec.include_usage:
+            yield frame([], usage(spec.n_prompt, n_out))
         yield "data: [DONE]\n\n"
     finally:
         if open_choices:  # the client went away (or the stream failed): free the slots

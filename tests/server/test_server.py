@@ -194,9 +194,41 @@ def test_chat_logprobs_describe_the_generated_tokens(server) -> None:
     for item in content:  # greedy: the chosen token is the most likely one
         assert len(item["top_logprobs"]) == 2 and item["logprob"] <= 0
         assert abs(item["logprob"] - item["top_logprobs"][0]["logprob"]) <= 1e-5
-    streamed = httpx.post(f"{server}/v1/chat/completions", json={**body, "stream": True},
-                          headers=HEADERS, timeout=60)
-    assert _error(streamed, 501)["code"] == "not_supported"
+    # streamed: the engine's own per-step values, equal to the teacher-forced ones above
+    streamed = []
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True},
+                      headers=HEADERS, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed.extend((c.get("logprobs") or {}).get("content") or [])
+    assert [i["token"] for i in streamed] == [i["token"] for i in content]
+    for a, b in zip(streamed, content, strict=True):
+        assert abs(a["logprob"] - b["logprob"]) <= 1e-4
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+
+
+def test_streamed_completion_logprobs_and_echo_match_the_whole_response(server) -> None:
+    body = {"model": MODEL, "prompt": "for i in range(", "max_tokens": 5, "temperature": 0,
+            "logprobs": 3, "echo": True}
+    whole = httpx.post(f"{server}/v1/completions", json=body, headers=HEADERS,
+                       timeout=60).json()["choices"][0]
+    text, lps = "", {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
+                      headers=HEADERS, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                text += c["text"]
+                for key in lps:
+                    lps[key].extend((c["logprobs"] or {}).get(key) or [])
+    assert text == whole["text"] and text.startswith(body["prompt"])
+    want = whole["logprobs"]
+    assert lps["tokens"] == want["tokens"] and lps["text_offset"] == want["text_offset"]
+    assert lps["token_logprobs"][0] is None  # the first prompt token has no context
+    for a, b in zip(lps["token_logprobs"][1:], want["token_logprobs"][1:], strict=True):
+        assert abs(a - b) <= 1e-4
+    assert [list(t) for t in lps["top_logprobs"][1:]] == [list(t) for t in want["top_logprobs"][1:]]
 
 
 def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path) -> None:
