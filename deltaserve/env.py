@@ -24,6 +24,9 @@ class Env:
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
     cuda_graphs: bool  # DELTASERVE_CUDA_GRAPHS=0: GPU decode steps launch eagerly
+    # DELTASERVE_OVERLAP=0|1: greedy decode steps launch before the previous step's tokens are read
+    # back (engine/overlap.py); default (unset): on for CUDA devices, off on CPU
+    overlap: bool | None
     gpu_backend: str  # DELTASERVE_GPU_BACKEND=auto|triton|portable (ops/backend.py)
     # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
     exact_int8_activations: bool
@@ -41,6 +44,8 @@ class Env:
             native=_flag("DELTASERVE_NATIVE", default=True),
             huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
             cuda_graphs=_flag("DELTASERVE_CUDA_GRAPHS", default=True),
+            overlap=(None if os.environ.get("DELTASERVE_OVERLAP", "").strip() == ""
+                     else _flag("DELTASERVE_OVERLAP")),
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
             fla=_flag("DELTASERVE_FLA", default=True),

@@ -32,9 +32,9 @@ class DecodeGraphs:
         return _bucket(num_seqs, BATCH_BUCKETS) is not None
 
     def run(self, ids: list[int], slots: list[int], positions: list[int],
-            tables: list[tuple[int, ...]]) -> torch.Tensor:
+            tables: list[tuple[int, ...]], feed=None) -> torch.Tensor:
         """Logits [len(ids), vocab] fp32 of one all-decode step, or its tokens [len(ids)] with the
-        greedy head (a view of a static buffer)."""
+        greedy head (a view of a static buffer). feed: runner.Feed, ids taken on the device."""
         num = len(ids)
         bsz = _bucket(num, BATCH_BUCKETS)
         width = 1 << max(2, (max(len(t) for t in tables) - 1).bit_length())
@@ -51,7 +51,13 @@ class DecodeGraphs:
                 *[self.spare_block] * pad, *[p % block_len for p in positions], *[0] * pad,
                 *[p + 1 for p in positions], *[1] * pad, *[b for row in padded for b in row]]
         # one host-to-device copy for every input (in FIELDS order, then the tables)
-        static["packed"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        # pinned: a copy from pageable memory may wait for the queued step (engine/overlap.py)
+        static["packed"].copy_(torch.tensor(host, dtype=torch.long).pin_memory(),
+                               non_blocking=True)
+        if feed is not None:
+            from deltaserve.engine.runner import fed_ids
+
+            fed_ids(static["ids"], feed)
         graph.replay()
         return logits[:num]
 

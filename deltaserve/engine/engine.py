@@ -2,6 +2,8 @@
 
 step() = plan = scheduler.schedule(); logits = runner.execute(plan); sample per request;
 scheduler.update(plan, sampled); stop checks (EOS, stop ids and strings, length) end requests.
+With overlap (engine/overlap.py, on by default on CUDA) a greedy decode step is launched before the
+previous one's tokens are read back, and step() returns the previous step's outputs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class EngineConfig:
     # greedy-only contract: the head yields argmax tokens, logits never exist; a request that
     # samples (or, later, asks for logprobs) is refused before any state changes
     greedy_head: bool = False
+    overlap: bool = False  # launch greedy decode steps ahead of reading back tokens (overlap.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, config.greedy_head)
         self._live: dict[str, _Live] = {}
+        self._pending = None  # overlap.InFlight: a launched step not read back yet
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
 
@@ -90,7 +94,11 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._pending is not None
+
+    def live(self, request_id: str) -> _Live | None:
+        """The engine's record of a running request (None once it ended or was aborted)."""
+        return self._live.get(request_id)
 
     def abort(self, request_id: str) -> bool:
         self._live.pop(request_id, None)
@@ -103,20 +111,41 @@ class Engine:
         self.scheduler.resume(request_id)
 
     def step(self) -> list[StepOutput]:
+        if self.config.overlap:
+            return self._step_overlapped()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
+        return [] if plan.is_empty else self._run(plan)
+
+    def _run(self, plan) -> list[StepOutput]:
+        """Execute, sample, record and emit one plan, waiting for its results."""
         all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
                    for c in plan.chunks if len(c.token_ids) > 1}
         logits = self.runner.execute(plan, all_ids)
         sampled, failed = self._sample(logits)
         lps = self._logprobs(logits, sampled)
-        errors = [self._fail(rid) for rid in sorted(failed)]
+        errors = [self.fail(rid) for rid in sorted(failed)]
         self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
         self.num_steps += 1
-        return errors + [self._emit(rid, token, lps.get(rid)) for rid, token in sampled.items()]
+        return errors + [self.emit(rid, token, lps.get(rid)) for rid, token in sampled.items()]
 
-    def _fail(self, rid: str) -> StepOutput:
+    def _step_overlapped(self) -> list[StepOutput]:
+        """Launch this step if it can run ahead (overlap.can_overlap), then read back and emit the
+        previous one; a step that cannot run ahead runs once the previous one is emitted."""
+        from deltaserve.engine import overlap
+
+        pending, self._pending = self._pending, None
+        plan = self.scheduler.schedule()
+        ahead = None
+        if not plan.is_empty and overlap.can_overlap(self, plan, pending):
+            ahead = overlap.launch(self, plan, pending)
+        outs = overlap.resolve(self, pending) if pending is not None else []
+        if ahead is None and not plan.is_empty:
+            plan = overlap.patched(self, plan) if pending is not None else plan
+            outs += self._run(plan) if plan.chunks else []
+        self._pending = ahead
+        return outs
+
+    def fail(self, rid: str) -> StepOutput:
         """Non-finite logits: the request ends with an error (never NaN text), its slot and blocks
         go back, and its state never entered the prefix cache (the runner saw to that)."""
         self.scheduler.abort(rid)
@@ -166,14 +195,19 @@ class Engine:
             out[rid] = ((token_lp[i], tuple(zip(idxs[i][:k_r], vals[i][:k_r], strict=True))),)
         return out
 
-    def _emit(self, rid: str, token: int, lp: tuple | None = None) -> StepOutput:
+    def emit(self, rid: str, token: int, lp: tuple | None = None,
+             num_generated: int | None = None) -> StepOutput:
+        """One sampled token out: stop checks, text, and the request's end if it ended.
+        num_generated: tokens generated so far counting this one (overlap: output_ids may hold
+        a placeholder beyond it)."""
         live, req = self._live[rid], self.scheduler.get(rid)
+        num_generated = len(req.output_ids) if num_generated is None else num_generated
         live.t_first = live.t_first or time.perf_counter()
         ended = live.stops.token_stop(token)
         text, stop_str = ("", None) if ended else live.stops.add_text(live.detok.push(token))
         if stop_str is not None:
             ended = ("stop", stop_str)
-        elif ended is None and len(req.output_ids) >= live.max_new:
+        elif ended is None and num_generated >= live.max_new:
             ended = ("length", None)
         if not ended:
             return StepOutput(rid, text, (token,), logprobs=lp)

@@ -246,7 +246,8 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                             max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
     fingerprint = model_fingerprint(llm.model_dir,
                                     f"{llm.model.dtype}/{llm.model.act_dtype}/{kv_dtype}")
+    overlap = env().overlap if env().overlap is not None else llm.model.device.type == "cuda"
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
-                    EngineConfig(sched, cache, greedy_head), fingerprint)
+                    EngineConfig(sched, cache, greedy_head, overlap), fingerprint)
     engine.memory_report = report
     return engine

@@ -35,6 +35,10 @@ class StepLogits(Mapping[str, torch.Tensor]):
                                  if not ok)
         return self._failed, values[:cut]
 
+    def finite_flags(self) -> torch.Tensor | None:
+        """[chunks] bool on the device, all logits of the chunk finite (None for head tokens)."""
+        return self._finite
+
     @property
     def failed(self) -> frozenset[str]:
         return self.failed_with(None)[0]
@@ -59,15 +63,19 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block,
                                        greedy_head)
 
-    def execute(self, plan: StepPlan, all_ids: dict[str, list[int]]) -> StepLogits:
+    def execute(self, plan: StepPlan, all_ids: dict[str, list[int]],
+                feed: Feed | None = None) -> StepLogits:
         """all_ids: every planned request's known tokens (prefix keys are hashes of them).
+        feed (decode-only plans): (device tokens, rows of this plan, rows of those tokens): those
+        rows' input ids come from the device, never read back (engine/overlap.py).
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
         decodes = all(len(c.token_ids) == 1 for c in plan.chunks)
         if self.graphs is not None and decodes and self.graphs.supports(len(plan.chunks)):
-            logits = self.graphs.run([c.token_ids[0] for c in plan.chunks],
+            logits = self.graphs.run([max(c.token_ids[0], 0) for c in plan.chunks],
                                      [c.slot for c in plan.chunks],
                                      [c.start_pos for c in plan.chunks],
-                                     [self.cache.block_table(c.request_id) for c in plan.chunks])
+                                     [self.cache.block_table(c.request_id) for c in plan.chunks],
+                                     feed)
             return _step_logits(logits, plan)
         chunks, ids = [], []
         for c in plan.chunks:
@@ -80,8 +88,10 @@ class ModelRunner:
             ids.extend(c.token_ids)
         device = self.model.device
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
-        logits = self.model.forward_batch(torch.tensor(ids, device=device), batch,
-                                          greedy=self.greedy_head)
+        ids_t = torch.tensor([max(t, 0) for t in ids] if feed else ids, device=device)
+        if feed is not None:  # decode-only: chunk i is token i
+            fed_ids(ids_t, feed)
+        logits = self.model.forward_batch(ids_t, batch, greedy=self.greedy_head)
         out = _step_logits(logits, plan)
         pending = {i: snaps for i, snaps in batch.snapshots.items() if snaps}
         for i, snaps in pending.items():  # (out.failed costs a host copy only when there are some)
@@ -89,6 +99,29 @@ class ModelRunner:
             if rid not in out.failed:  # a state that produced NaN/inf is never shared
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
         return out
+
+
+# (tokens [R] int64 on the device, destination rows, source rows of tokens)
+Feed = tuple[torch.Tensor, list[int], list[int]]
+
+
+def fed_ids(ids: torch.Tensor, feed: Feed) -> None:
+    """ids[dst] = tokens[src] on the device (a plain copy when the rows line up)."""
+    tokens, dst, src = feed
+    if dst == src == list(range(len(dst))):
+        ids[: len(dst)].copy_(tokens[: len(dst)])
+        return
+    index = _to_device([*dst, *src], ids.device)
+    ids.index_copy_(0, index[: len(dst)], tokens.index_select(0, index[len(dst):]))
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 values on the device without waiting for the stream: from pinned memory on CUDA (a
+    copy from pageable memory may wait for queued work, undoing the overlap)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _step_logits(logits: torch.Tensor, plan: StepPlan) -> StepLogits:

@@ -30,8 +30,8 @@ def capture(engine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def wrapped(plan, all_ids):
-        out = execute(plan, all_ids)
+    def wrapped(plan, all_ids, feed=None):
+        out = execute(plan, all_ids, feed)
         for rid, lg in out.items():
             seen.setdefault(rid, []).append(lg.clone())
         return out

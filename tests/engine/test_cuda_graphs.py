@@ -75,3 +75,28 @@ def test_fused_greedy_head_gives_the_argmax_tokens(tiny_dir) -> None:
         outs[greedy_head] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params)]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("greedy_head", [False, True])
+def test_overlapped_graph_decode_equals_the_plain_engine(tiny_dir, greedy_head) -> None:
+    """Steps launched before the previous tokens are read back (ids fed on the device into the
+    graph) give the plain engine's outputs: staggered lengths, a stop id, a late arrival."""
+    from dataclasses import replace
+
+    from deltaserve import LLM
+    from deltaserve.engine.sampling import SamplingParams
+    from tests.engine.test_overlap import drive, overlapped
+
+    llm = LLM(tiny_dir, dtype="float32", device="cuda", greedy_head=greedy_head)
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = prompts_of([5, 150, 70, 1, 33, 9])
+    params = [replace(base, max_tokens=n) for n in (16, 3, 9, 16, 1, 12)]
+    params[3] = replace(base, stop_token_ids=(7, 11, 13, 17, 19, 23))
+    arrivals = {0: [], 4: []}
+    for i, (rid, ids) in enumerate(prompts.items()):
+        arrivals[0 if i < 4 else 4].append((rid, ids, params[i]))
+    plain = drive(make_engine(llm, num_slots=8, prefix_bytes=0), arrivals)
+    engine = overlapped(llm, num_slots=8, prefix_bytes=0)
+    assert drive(engine, arrivals) == plain
+    assert engine.runner.graphs.graphs, "no step was replayed from a graph"

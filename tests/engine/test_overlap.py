@@ -1,0 +1,131 @@
+"""Overlapped decode (engine/overlap.py) against the plain engine on the same workloads: the same
+tokens, text and finish reasons per request, whatever stops them and whenever they arrive, and
+every slot and block back in the pools. On CPU the launched step runs eagerly; the bookkeeping is the
+same code the GPU runs (there with CUDA graphs, checked in tests/engine/test_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from deltaserve.engine.sampling import SamplingParams
+from tests.engine.test_batching import make_engine, prompts_of, solo
+
+
+def overlapped(llm, **kw):
+    engine = make_engine(llm, **kw)
+    engine.config = replace(engine.config, overlap=True)
+    return engine
+
+
+def drive(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+          abort_at: dict[int, str] | None = None) -> dict[str, tuple]:
+    """Add requests at the given step numbers, abort some later; (tokens, text, reason, stop)."""
+    got: dict[str, list] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_work:
+        for rid, ids, params in arrivals.get(step, []):
+            engine.add_request(rid, ids, params)
+            got[rid] = [[], "", None, None]
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])
+        for ev in engine.step():
+            out = got[ev.request_id]
+            out[0].extend(ev.token_ids)
+            out[1] += ev.text
+            if ev.finished:
+                out[2], out[3] = ev.finish_reason, ev.stop_reason
+        step += 1
+        assert step < 2000
+    usage = engine.cache.usage()
+    assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
+    return {rid: tuple(v[:1]) + tuple(v[1:]) for rid, v in got.items()}
+
+
+def workload(llm) -> dict[int, list]:
+    """Greedy requests stopped by a stop id, a stop string, the length limit; one sampling
+    request (runs unoverlapped); late arrivals. Stops are taken from a free run's own output."""
+    prompts = prompts_of([37, 5, 130, 12, 20, 9], seed=41)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = {rid: solo(llm.model, ids, 12)[0] for rid, ids in prompts.items()}
+    stop_text = llm.tokenizer.decode(ref["r1"][3:5])
+    params = {
+        "r0": replace(free, stop_token_ids=(ref["r0"][4],)),
+        "r1": replace(free, stop=(stop_text,)) if stop_text.strip() else free,
+        "r2": replace(free, max_tokens=3),
+        "r3": SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True),
+        "r4": free,
+        "r5": replace(free, max_tokens=1),
+    }
+    when = {"r0": 0, "r1": 0, "r2": 0, "r3": 2, "r4": 5, "r5": 6}
+    arrivals: dict[int, list] = {}
+    for rid, ids in prompts.items():
+        arrivals.setdefault(when[rid], []).append((rid, ids, params[rid]))
+    return arrivals
+
+
+def test_overlapped_engine_equals_the_plain_one(tiny_llm) -> None:
+    arrivals = workload(tiny_llm)
+    plain = drive(make_engine(tiny_llm), arrivals)
+    ahead = drive(overlapped(tiny_llm), arrivals)
+    assert ahead == plain
+    assert plain["r0"][2] == "stop" and plain["r2"][2] == "length" and len(plain["r2"][0]) == 3
+
+
+def test_overlap_with_aborts_and_greedy_only_batches(tiny_llm) -> None:
+    prompts = prompts_of([9, 9, 9, 9], seed=43)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    arrivals = {0: [(rid, ids, params) for rid, ids in prompts.items()]}
+    engine = overlapped(tiny_llm)
+    launches = []
+    from deltaserve.engine import overlap
+
+    launch = overlap.launch
+
+    def counting(*args):
+        launches.append(1)
+        return launch(*args)
+
+    overlap.launch = counting
+    try:
+        got = drive(engine, arrivals, abort_at={4: "r1"})
+    finally:
+        overlap.launch = launch
+    assert len(launches) >= 8  # the decode steps really ran ahead
+    for rid in ("r0", "r2", "r3"):
+        assert got[rid][0] == solo(tiny_llm.model, prompts[rid], 10)[0]
+    assert len(got["r1"][0]) < 10 and got["r1"][2] is None  # aborted: no finish event
+
+
+def test_overlap_under_kv_pressure_preempts_and_recomputes_exactly(tiny_llm) -> None:
+    engine = overlapped(tiny_llm, num_slots=4, num_blocks=12, prefix_bytes=0)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = prompts_of([40, 40, 40, 40], seed=17)
+    got = drive(engine, {0: [(rid, ids, params) for rid, ids in prompts.items()]})
+    for rid, ids in prompts.items():
+        assert got[rid][0] == solo(tiny_llm.model, ids, 20)[0], rid
+    assert engine.cache.usage()["blocks_free"] == 12
+
+
+def test_a_non_finite_decode_step_fails_one_request_when_overlapped(tiny_llm) -> None:
+    engine = overlapped(tiny_llm)
+    prompts = prompts_of([11, 6], seed=47)
+    forward, decodes = tiny_llm.model.forward_batch, []
+
+    def poison(ids, batch, **kw):  # r0's row of the third all-decode step goes NaN
+        out = forward(ids, batch, **kw)
+        if ids.numel() == len(prompts):
+            decodes.append(1)
+            if len(decodes) == 3:
+                out = out.clone()
+                out[0, 3] = float("nan")
+        return out
+
+    engine.runner.model = type("M", (), {"forward_batch": staticmethod(poison),
+                                         "device": tiny_llm.model.device})()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = drive(engine, {0: [(rid, ids, params) for rid, ids in prompts.items()]})
+    assert got["r0"][2] == "error" and len(got["r0"][0]) == 3  # prefill + 2 decodes, then NaN
+    assert got["r1"][0] == solo(tiny_llm.model, prompts["r1"], 8)[0]
+    assert torch.isfinite(torch.tensor(got["r1"][0], dtype=torch.float)).all()
