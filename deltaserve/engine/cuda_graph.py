@@ -51,9 +51,7 @@ class DecodeGraphs:
                 *[self.spare_block] * pad, *[p % block_len for p in positions], *[0] * pad,
                 *[p + 1 for p in positions], *[1] * pad, *[b for row in padded for b in row]]
         # one host-to-device copy for every input (in FIELDS order, then the tables)
-        # pinned: a copy from pageable memory may wait for the queued step (engine/overlap.py)
-        static["packed"].copy_(torch.tensor(host, dtype=torch.long).pin_memory(),
-                               non_blocking=True)
+        static["packed"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if feed is not None:
             from deltaserve.engine.runner import fed_ids
 

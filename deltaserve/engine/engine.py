@@ -68,6 +68,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, config.greedy_head)
         self._live: dict[str, _Live] = {}
         self._pending = None  # overlap.InFlight: a launched step not read back yet
+        self.host_buffers: list = [None, None]  # overlap: tokens read back, steps alternate
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
 

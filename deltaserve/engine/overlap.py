@@ -62,7 +62,7 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
         tokens, flags = logits.tensor.argmax(-1), logits.finite_flags()
     both = tokens if flags is None else torch.cat([tokens, flags.long()])
     cuda = both.device.type == "cuda"
-    host = torch.empty(both.shape, dtype=torch.long, pin_memory=cuda)
+    host = _host_buffer(engine, engine.num_steps % 2, both.numel(), cuda)
     host.copy_(both, non_blocking=cuda)
     event = None
     if cuda:
@@ -73,6 +73,17 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
             for rid, row in logits.rows.items()}
     engine.num_steps += 1
     return InFlight(rows, tokens, host, event, list(logits.chunk_rids), flags is not None)
+
+
+def _host_buffer(engine, which: int, numel: int, pinned: bool) -> torch.Tensor:
+    """One of two persistent host buffers (pinned on CUDA; steps alternate: the buffer of step k
+    is reused at k+2, after k resolved). No pinned allocation per step: the host allocator's
+    event bookkeeping must not run while a new decode graph is being captured."""
+    bufs = engine.host_buffers
+    buf = bufs[which]
+    if buf is None or buf.numel() < numel:
+        buf = bufs[which] = torch.empty(max(numel, 512), dtype=torch.long, pin_memory=pinned)
+    return buf[:numel]
 
 
 def resolve(engine, pending: InFlight) -> list:

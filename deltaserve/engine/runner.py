@@ -116,12 +116,9 @@ def fed_ids(ids: torch.Tensor, feed: Feed) -> None:
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 values on the device without waiting for the stream: from pinned memory on CUDA (a
-    copy from pageable memory may wait for queued work, undoing the overlap)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """int64 values on the device, staged without waiting for queued work (a blocking copy would
+    wait for the step in flight, undoing the overlap)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _step_logits(logits: torch.Tensor, plan: StepPlan) -> StepLogits:
