@@ -1,4 +1,4 @@
-"""`deltaserve` command line: generate, chat, serve, make-checkpoint, validate, bench."""
+"""`deltaserve` command line: generate, chat, serve, make-checkpoint, validate, bench, trace."""
 
 from __future__ import annotations
 
@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--prompts", default=None, help="prompts JSON (default: the built-in set)")
     gate.add_argument("--thresholds", default="quantized", help="quantized, exact, or a JSON file")
     gate.add_argument("--out", default=None, help="write the JSON record here too")
+    tr = sub.add_parser("trace", help="MiniCPM-V vision path vs transformers, stage by stage")
+    tr.add_argument("--model", "-m", required=True, help="MiniCPM-V-4.6 checkpoint folder")
+    tr.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("H", "W"),
+                    help="pixels of one image piece (random values; multiples of 56 for 16x, "
+                         "28 for 4x)")
+    tr.add_argument("--mode", choices=["16x", "4x"], default="16x")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default=None, help="write the rows as JSON here too")
     hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
     _model_args(hay, dtype_default="float32")
     hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
@@ -149,6 +157,21 @@ def _quantize(args: argparse.Namespace) -> int:
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     summary = quantize_checkpoint(model_dir, args.format, Path(args.out))
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from deltaserve.checkpoint.hub import resolve_model_dir
+    from deltaserve.multimodal.trace import format_table, run_trace
+
+    height, width = args.image_size
+    if height % 14 or width % 14:
+        raise DeltaserveError(f"--image-size {height} {width}: both sides must be multiples of 14")
+    rows = run_trace(resolve_model_dir(args.model), (height // 14, width // 14), args.mode,
+                     args.seed)
+    print(format_table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
@@ -178,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_validate(args)
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "trace":
+            return _trace(args)
         if args.command == "serve":
             from deltaserve.server.main import run_serve
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,18 +61,25 @@ class TensorIndex:
     headers: dict[str, tuple[list[int], str]]
 
     @classmethod
-    def scan(cls, model_dir: Path) -> TensorIndex:
+    def scan(
+        cls,
+        model_dir: Path,
+        rename: Callable[[str], str | None] = lm_name,
+        what: str = "language-model",
+    ) -> TensorIndex:
+        """Index the tensors `rename` maps to one of our names (None = not ours); the default
+        keeps the language model, `multimodal.loader` passes the vision tower's map."""
         files = _weight_files(model_dir)
         locations: dict[str, tuple[Path, str]] = {}
         headers: dict[str, tuple[list[int], str]] = {}
         for file in files:
             for name, header in _file_headers(file).items():
-                ours = lm_name(name)
+                ours = rename(name)
                 if ours is not None and ours not in locations:
                     locations[ours] = (file, name)
                     headers[ours] = header
         if not locations:
-            raise CheckpointError(f"no language-model tensors found in {model_dir}")
+            raise CheckpointError(f"no {what} tensors found in {model_dir}")
         return cls(locations, headers)
 
     def meta(self, name: str) -> tuple[list[int], torch.dtype]:

@@ -159,7 +159,7 @@ def minicpm_vision_specs(v: dict[str, Any], text_hidden: int) -> list[TensorSpec
     specs += [
         TensorSpec(f"{vm}pre_norm.{w}", (4 * vh,), BF16, "normal") for w in ("weight", "bias")
     ]
-    vm_inner = 17216  # published vit_merger MLP width (formats.md 3.2)
+    vm_inner = 4 * vi  # transformers' window_intermediate_size: 17216 published (formats.md 3.2)
     specs += _linear_pair(vm + "linear_1", vm_inner, 4 * vh) + _linear_pair(
         vm + "linear_2", vh, vm_inner
     )

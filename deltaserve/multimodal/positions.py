@@ -1,0 +1,39 @@
+"""Position ids of image pieces: each patch's nearest bucket on the tower's square position table.
+
+NOTE: the bucket boundaries k/S and the coordinates i/h meet in exact rational ties (10/28 = 25/70);
+which side a tie falls on is decided by float32 rounding inside these torch operators, so the ids
+are computed with the very operators transformers uses, never with exact fractions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bucket_boundaries(num_patches_per_side: int) -> torch.Tensor:
+    """[S - 1] float32: 1/S, 2/S, ... (as torch.arange rounds them)."""
+    step = 1 / num_patches_per_side
+    return torch.arange(step, 1.0, step, dtype=torch.float32)
+
+
+def piece_position_ids(
+    grid_h: int, grid_w: int, num_patches_per_side: int, boundaries: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[grid_h * grid_w] int64 ids into the S*S table, patches row-major."""
+    if boundaries is None:
+        boundaries = bucket_boundaries(num_patches_per_side)
+    # the reference divides an int64 arange in the default dtype (float32); pinned here so a
+    # caller's torch.set_default_dtype cannot move a tie
+    rows = torch.arange(grid_h, dtype=torch.float32) / grid_h  # [grid_h]
+    cols = torch.arange(grid_w, dtype=torch.float32) / grid_w  # [grid_w]
+    rows = torch.bucketize(rows, boundaries, right=True)
+    cols = torch.bucketize(cols, boundaries, right=True)
+    return (rows[:, None] * num_patches_per_side + cols).flatten()
+
+
+def position_ids(grid_hw: list[tuple[int, int]], num_patches_per_side: int) -> torch.Tensor:
+    """[sum(h * w)] int64: the ids of every piece, in packing order."""
+    boundaries = bucket_boundaries(num_patches_per_side)
+    return torch.cat(
+        [piece_position_ids(h, w, num_patches_per_side, boundaries) for h, w in grid_hw]
+    )
