@@ -9,8 +9,17 @@ from deltaserve.errors import ConfigError
 
 VISION_MODEL_TYPES = ("minicpmv4_6",)
 DOWNSAMPLE_MODES = ("16x", "4x")
+# Patches merged per side between the tower's input and the language model: the window merger's
+# 2x2 and the projector's 2x2 in 16x mode, the projector's alone in 4x mode. The processor sizes
+# pieces to multiples of it and the placeholder count divides by its square, so both sides agree.
+MERGE_SIDE_PATCHES = {"16x": 4, "4x": 2}
 # The only activation the tower's MLPs and window merger use (transformers' gelu_pytorch_tanh).
 TANH_GELU = "gelu_pytorch_tanh"
+
+
+def num_piece_tokens(grid_h: int, grid_w: int, mode: str) -> int:
+    """Language-model tokens the tower emits for one piece of grid_h x grid_w patches."""
+    return grid_h * grid_w // MERGE_SIDE_PATCHES[mode] ** 2
 
 
 def _require(cfg: dict[str, Any], key: str, where: str) -> Any:

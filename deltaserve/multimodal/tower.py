@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from deltaserve.errors import RequestError
-from deltaserve.multimodal.config import DOWNSAMPLE_MODES, VisionConfig
+from deltaserve.multimodal.config import DOWNSAMPLE_MODES, MERGE_SIDE_PATCHES, VisionConfig
 from deltaserve.multimodal.merger import Projector, WindowMerger
 from deltaserve.multimodal.positions import position_ids
 from deltaserve.multimodal.siglip import (
@@ -123,7 +123,7 @@ def check_grid(grid_hw: GridSizes, mode: str) -> list[tuple[int, int]]:
     grids = [(int(h), int(w)) for h, w in rows]
     if not grids:
         raise RequestError("no image pieces given")
-    multiple = 4 if mode == "16x" else 2
+    multiple = MERGE_SIDE_PATCHES[mode]
     for h, w in grids:
         if h <= 0 or w <= 0 or h % multiple or w % multiple:
             raise RequestError(
