@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import Preset
 
@@ -188,3 +191,32 @@ def preset_specs(p: Preset) -> list[TensorSpec]:
         + qwen_vision_specs(cfg["vision_config"])
         + mtp_specs(text)
     )
+
+
+def _vision_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Sane random values: GEMM weights ~ N(0, 1/fan_in), LayerNorm gains ~ 1, small biases.
+
+    The preset writer's N(0, 0.02) everywhere (LayerNorm gains included) would shrink every
+    block's output towards zero, leaving the attention near uniform and the parity test weak.
+    """
+    noise = torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):
+        return noise * 0.05
+    if name.endswith("position_embedding.weight"):
+        return noise * 0.5
+    if len(shape) == 1:  # LayerNorm weight
+        return 1.0 + noise * 0.1
+    return noise / math.sqrt(math.prod(shape[1:]))
+
+
+def write_vision_checkpoint(
+    out_dir: Path, cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """config.json + model.safetensors holding only `model.vision_tower.*` and `model.merger.*`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    specs = minicpm_vision_specs(cfg["vision_config"], cfg["text_config"]["hidden_size"])
+    tensors = {s.name: _vision_init(s.name, s.shape, gen).to(dtype) for s in specs}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir

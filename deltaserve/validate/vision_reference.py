@@ -23,8 +23,10 @@ class VisionReference:
     config: Any  # MiniCPMV4_6Config
 
 
-def load_vision_reference(model_dir: Path | str, dtype: torch.dtype = torch.float32):
-    """transformers' tower + merger, built from config.json with the checkpoint's tensors."""
+def load_vision_reference(model_dir: Path | str, dtype: torch.dtype = torch.float32,
+                          attn_implementation: str = "eager", device: str = "cpu"):
+    """transformers' tower + merger, built from config.json with the checkpoint's tensors.
+    eager attention (plain matmul + fp32 softmax) for parity; "sdpa" (its default) as a peer."""
     try:
         from transformers import MiniCPMV4_6Config
         from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import (
@@ -37,12 +39,12 @@ def load_vision_reference(model_dir: Path | str, dtype: torch.dtype = torch.floa
         ) from exc
     model_dir = Path(model_dir)
     config = MiniCPMV4_6Config.from_pretrained(model_dir)
-    config.vision_config._attn_implementation = "eager"  # plain matmul + fp32 softmax
+    config.vision_config._attn_implementation = attn_implementation
     with torch.device("meta"):
         tower = MiniCPMV4_6VisionModel(config.vision_config)
         merger = MiniCPMV4_6Merger(config)
-    tower = tower.to_empty(device="cpu").to(dtype)
-    merger = merger.to_empty(device="cpu").to(dtype)
+    tower = tower.to_empty(device=device).to(dtype)
+    merger = merger.to_empty(device=device).to(dtype)
     index = TensorIndex.scan(model_dir, vision_name, "vision")
     parts = {"vision_tower.": tower.state_dict(), "merger.": merger.state_dict()}
     expected = {prefix + name for prefix, state in parts.items() for name in state}
@@ -56,8 +58,14 @@ def load_vision_reference(model_dir: Path | str, dtype: torch.dtype = torch.floa
     return VisionReference(tower.eval(), merger.eval(), config)
 
 
+def reference_forward(ref: VisionReference, pixel_values: torch.Tensor, grid_hw,
+                      mode: str) -> torch.Tensor:
+    """transformers' image features [tokens, text width] (get_image_features' glue)."""
+    return reference_trace(ref, pixel_values, grid_hw, mode, hooks=False)[-1][1]
+
+
 def reference_trace(
-    ref: VisionReference, pixel_values: torch.Tensor, grid_hw, mode: str
+    ref: VisionReference, pixel_values: torch.Tensor, grid_hw, mode: str, hooks: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
     """transformers' stage outputs, named and ordered as `VisionModel.trace` names them.
 
@@ -65,17 +73,18 @@ def reference_trace(
     the merger on the grid the tower ended with.
     """
     grids = check_grid(grid_hw, mode)
-    target_sizes = torch.tensor(grids, dtype=torch.int32)
-    pixel_values = pixel_values.to(next(ref.tower.parameters()).dtype)
+    param = next(ref.tower.parameters())
+    target_sizes = torch.tensor(grids, dtype=torch.int32, device=param.device)
+    pixel_values = pixel_values.to(param.device, param.dtype)
     stages: list[tuple[str, torch.Tensor]] = []
     named = [("embeddings", ref.tower.embeddings)]
     named += [(f"layers.{i}", layer) for i, layer in enumerate(ref.tower.encoder.layers)]
     named += [("vit_merger", ref.tower.vit_merger), ("post_layernorm", ref.tower.post_layernorm)]
-    hooks = [
+    handles = [
         module.register_forward_hook(
             lambda _m, _args, out, name=name: stages.append((name, out[0]))  # drop batch dim 1
         )
-        for name, module in named
+        for name, module in (named if hooks else [])
     ]
     try:
         with torch.no_grad():
@@ -84,7 +93,7 @@ def reference_trace(
             merged_sizes = target_sizes // 2 if use_vit_merger else target_sizes
             features = ref.merger(out.last_hidden_state, merged_sizes)  # one tensor per piece
     finally:
-        for hook in hooks:
-            hook.remove()
+        for handle in handles:
+            handle.remove()
     stages.append(("projector", torch.cat(features, dim=0)))
     return stages
