@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("H", "W"),
                     help="pixels of one image piece (random values; multiples of 56 for 16x, "
                          "28 for 4x)")
+    tr.add_argument("--image", default=None,
+                    help="an image file: its processed pieces instead of random pixels")
     tr.add_argument("--mode", choices=["16x", "4x"], default="16x")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=None, help="write the rows as JSON here too")
@@ -164,11 +166,17 @@ def _trace(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.hub import resolve_model_dir
     from deltaserve.multimodal.trace import format_table, run_trace
 
-    height, width = args.image_size
-    if height % 14 or width % 14:
-        raise DeltaserveError(f"--image-size {height} {width}: both sides must be multiples of 14")
-    rows = run_trace(resolve_model_dir(args.model), (height // 14, width // 14), args.mode,
-                     args.seed)
+    model_dir = resolve_model_dir(args.model)
+    if args.image is not None:
+        from deltaserve.multimodal.trace import run_image_trace
+
+        rows = run_image_trace(model_dir, args.image, args.mode)
+    else:
+        height, width = args.image_size
+        if height % 14 or width % 14:
+            raise DeltaserveError(f"--image-size {height} {width}: both sides must be multiples "
+                                  "of 14")
+        rows = run_trace(model_dir, (height // 14, width // 14), args.mode, args.seed)
     print(format_table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")

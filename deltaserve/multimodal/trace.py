@@ -70,6 +70,24 @@ def run_trace(
     return trace_pair(model, reference, pixels, grids, mode)
 
 
+def run_image_trace(model_dir: Path | str, image_path: Path | str, mode: str = "16x") -> list[dict]:
+    """Ours vs transformers on a real image file, through our processor (every piece: overview
+    and slices, packed as the reference packs them)."""
+    from deltaserve.errors import RequestError
+    from deltaserve.multimodal.image import decode_image
+    from deltaserve.multimodal.processor import process_image
+    from deltaserve.validate.vision_reference import load_vision_reference
+
+    try:
+        data = Path(image_path).read_bytes()
+    except OSError as exc:
+        raise RequestError(f"cannot read image {image_path}: {exc.strerror or exc}") from exc
+    processed = process_image(decode_image(data), mode)
+    model = load_vision_model(model_dir, torch.float32)
+    reference = load_vision_reference(model_dir, torch.float32)
+    return trace_pair(model, reference, processed.pixel_values, list(processed.grid_hw), mode)
+
+
 def format_table(rows: list[dict]) -> str:
     """The rows as an aligned text table, one stage per line."""
     lines = [f"{'stage':<16} {'shape':<14} {'max_abs':>10} {'rel':>10}"]
