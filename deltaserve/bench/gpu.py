@@ -77,6 +77,34 @@ def copy_bandwidth_gbs(device: torch.device, num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
 
 
+def cuda_median_s(fn, reps: int = 20) -> float:
+    """Median seconds of fn() between CUDA events, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_replay_s(calls) -> float:
+    """Seconds per call, the calls replayed from one CUDA graph (no Python launch overhead)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return cuda_median_s(graph.replay) / len(calls)
+
+
 def decode_bytes_per_token(model) -> int:
     """Weight bytes one decode step reads: every linear (packed codes, scales, biases) and the
     head; embeddings read one row, norms and 1-D parameters are negligible."""

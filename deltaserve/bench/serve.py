@@ -263,12 +263,8 @@ def _jsonable(record: dict) -> dict:
     record["ttfts_s"] = [o.ttft_s for o in outcomes]
     record["itls_s"] = [o.itl_s for o in outcomes]
     record["errors"] = [o.error for o in outcomes]
-    record["git_commit"] = _commit()
-    return record
-
-
-def _commit() -> str | None:
     from deltaserve.bench.record import git_commit
 
-    return git_commit()
+    record["git_commit"] = git_commit()
+    return record
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.cache.batch import StepBatch
+from deltaserve.engine.runner import fed_ids
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FIELDS = ("ids", "slots", "positions", "kv_blocks", "kv_rows", "lengths")  # [B] each
@@ -53,8 +54,6 @@ class DecodeGraphs:
         # one host-to-device copy for every input (in FIELDS order, then the tables)
         static["packed"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if feed is not None:
-            from deltaserve.engine.runner import fed_ids
-
             fed_ids(static["ids"], feed)
         graph.replay()
         return logits[:num]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.multimodal.config import VisionConfig
-from deltaserve.multimodal.siglip import BiasLinear, VisionAttention, layer_norm, make_layer_norm
+from deltaserve.multimodal.siglip import BiasLinear, VisionAttention, make_layer_norm
 
 # transformers builds the final merger's LayerNorm with a literal eps, not the config's
 PROJECTOR_NORM_EPS = 1e-6
@@ -55,9 +55,9 @@ class WindowMerger(nn.Module):
         x = x[order]  # [L, C], each window's tokens contiguous
         # the norm is per token, so normalising after the reorder equals the reference's before
         window_lens = [window_area] * (num_tokens // window_area)
-        x = x + self.self_attn(layer_norm(self.layer_norm1, x), window_lens)
+        x = x + self.self_attn(self.layer_norm1(x), window_lens)
         windows = x.view(-1, window_area, width)  # [L / 4, 4, C]
-        mlp_in = layer_norm(self.pre_norm, windows.flatten(1))  # [L / 4, 4C]
+        mlp_in = self.pre_norm(windows.flatten(1))  # [L / 4, 4C]
         mlp_out = self.linear_2(F.gelu(self.linear_1(mlp_in), approximate="tanh"))
         return mlp_out + windows.mean(dim=1)  # residual: the window's mean token
 
@@ -80,5 +80,5 @@ class Projector(nn.Module):
         merge_area = self.kernel[0] * self.kernel[1]
         order = block_order(grid_hw, *self.kernel).to(x.device)
         blocks = x[order].view(-1, merge_area * x.shape[1])  # [L / 4, 4C]
-        hidden = F.gelu(self.linear_1(layer_norm(self.pre_norm, blocks)))  # exact (erf) GELU
+        hidden = F.gelu(self.linear_1(self.pre_norm(blocks)))  # exact (erf) GELU
         return self.linear_2(hidden)

@@ -32,10 +32,6 @@ class BiasLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-
-
 def make_layer_norm(dim: int, eps: float, dtype: torch.dtype) -> nn.LayerNorm:
     norm = nn.LayerNorm(dim, eps=eps, dtype=dtype)
     norm.requires_grad_(False)
@@ -109,8 +105,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, piece_lens: list[int]) -> torch.Tensor:
         """x [L, C] -> [L, C]; attention stays inside each image piece."""
-        x = x + self.self_attn(layer_norm(self.layer_norm1, x), piece_lens)
-        return x + self.mlp(layer_norm(self.layer_norm2, x))
+        x = x + self.self_attn(self.layer_norm1(x), piece_lens)
+        return x + self.mlp(self.layer_norm2(x))
 
 
 class PatchConv(nn.Module):

@@ -18,7 +18,6 @@ from deltaserve.multimodal.positions import position_ids
 from deltaserve.multimodal.siglip import (
     EncoderLayer,
     VisionEmbeddings,
-    layer_norm,
     make_layer_norm,
 )
 
@@ -92,7 +91,7 @@ class VisionModel(nn.Module):
                 x = tower.vit_merger(x, grids)  # [L / 4, C]
                 grids = [(h // 2, w // 2) for h, w in grids]
                 record("vit_merger", x)
-        x = layer_norm(tower.post_layernorm, x)
+        x = tower.post_layernorm(x)
         record("post_layernorm", x)
         x = self.projector(x, grids)  # [tokens, E]
         record("projector", x)

@@ -77,7 +77,6 @@ class EngineDriver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
-        self.last_step_at = time.monotonic()
         self.last_event_at = 0.0  # when a request last got tokens or finished (idle unload)
 
     def start(self) -> None:
@@ -133,7 +132,6 @@ class EngineDriver:
             if not self.engine.has_work:
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
-                self.last_step_at = time.monotonic()
                 continue
             try:
                 events = self.engine.step()
@@ -142,7 +140,7 @@ class EngineDriver:
                 self._fail_all()
                 return
             self.counters.num_steps += 1
-            self.last_step_at = self.last_event_at = time.monotonic()
+            self.last_event_at = time.monotonic()
             for ev in events:
                 self.counters.generation_tokens += len(ev.token_ids)
                 self._time(ev)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve.bench.gpu import cuda_median_s as timed  # noqa: E402
+from deltaserve.bench.gpu import graph_replay_s as graphed  # noqa: E402
 from deltaserve.checkpoint.presets import preset  # noqa: E402
 from deltaserve.config import FULL, LINEAR, TextConfig  # noqa: E402
 from deltaserve.ops.backend import tl, triton  # noqa: E402
@@ -85,33 +87,6 @@ def compile_some(configs) -> int:
         gemv16_cuda(x, w, cfg)
     torch.cuda.synchronize()
     return len(configs)
-
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def graphed(calls):
-    """Seconds per call, the calls replayed from one CUDA graph (no Python launch overhead)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return timed(g.replay) / len(calls)
 
 
 def rel(out, ref) -> float:

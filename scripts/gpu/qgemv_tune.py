@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve.bench.gpu import cuda_median_s as timed  # noqa: E402
+from deltaserve.bench.gpu import graph_replay_s as graphed  # noqa: E402
 from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
 from deltaserve.ops.triton_qgemv import qgemv_cuda  # noqa: E402
 from deltaserve.quant.schemes import FORMATS, quantize  # noqa: E402
@@ -60,33 +62,6 @@ def compile_some(job):
         qgemv_cuda(x, p, FORMATS[fmt], config=cfg)
     torch.cuda.synchronize()
     return len(configs)
-
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def graphed(calls):
-    """Seconds per call, the calls replayed from one CUDA graph (no Python launch overhead)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return timed(g.replay) / len(calls)
 
 
 def tune_shape(fmt, n, k, dev):

@@ -40,7 +40,7 @@ def drive(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]
         assert step < 2000
     usage = engine.cache.usage()
     assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
-    return {rid: tuple(v[:1]) + tuple(v[1:]) for rid, v in got.items()}
+    return {rid: tuple(v) for rid, v in got.items()}
 
 
 def workload(llm) -> dict[int, list]:

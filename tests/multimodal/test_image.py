@@ -105,16 +105,21 @@ def test_truncated_files_are_request_errors() -> None:
 
 def test_corrupted_bytes_never_raise_another_type() -> None:
     rng = np.random.default_rng(0)
+    refused = decoded = 0
     for fmt in FORMATS:
         data = encode(noise(37, 23), fmt)
         for _ in range(60):
             damaged = bytearray(data)
             for pos in rng.integers(0, len(data), 4):
                 damaged[pos] = rng.integers(0, 256)
-            try:
-                decode_image(bytes(damaged))
+            try:  # any other exception type fails the test
+                img = decode_image(bytes(damaged))
             except RequestError:
-                pass
+                refused += 1
+                continue
+            assert img.mode == "RGB" and img.size[0] > 0 and img.size[1] > 0
+            decoded += 1
+    assert refused > 0 and refused + decoded == 60 * len(FORMATS)
 
 
 @pytest.mark.parametrize(
