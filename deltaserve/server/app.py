@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
+from deltaserve.server import logprobs as lp
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -124,62 +125,54 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         if body.stream and body.token_limit() == 0:
             raise ApiError(400, "max_tokens: 0 (scoring the prompt) needs stream off",
                            param="max_tokens")
-        scoring = (kind, num_lp, echo, thinking, llm, driver)
         prompt = body.prompt if kind == "text_completion" else None
+        # the echoed prompt's text and teacher-forced logprobs (generated tokens get theirs from
+        # the engine as it samples)
+        head = _echo_text(prompt, ids, llm) if echo else ""
+        head_lp = None
+        if echo and num_lp is not None:
+            head_lp = await driver.call(lambda: lp.completion_logprobs(llm, ids, 0, num_lp))
         if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
             if not echo:
                 raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
                                param="max_tokens")
             if len(ids) > llm.max_model_len:
                 raise context_overflow(len(ids), llm.max_model_len, 0)
-            return JSONResponse(await _scored(rid_for(kind), ids, [("", "length", [])] * body.n,
-                                              prompt, *scoring))
-        params = _params(body, llm, len(ids), num_lp if body.stream else None)
-        if body.stream:
-            spec = StreamSpec(kind, served_name, len(ids), bool(
-                body.stream_options and body.stream_options.include_usage), thinking,
-                llm.tokenizer.decode, num_lp or 0)
-            if echo:  # the prompt (and its teacher-forced logprobs) opens every choice
-                from deltaserve.server import logprobs as lp
-
-                head = prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
-                spec.echo = (head, None if num_lp is None else await driver.call(
-                    lambda: lp.completion_logprobs(llm, ids, 0, num_lp)))
+            outs = [("", "length", [], [])] * body.n
+            return JSONResponse(_whole(rid_for(kind), kind, ids, outs, head, head_lp, num_lp,
+                                       thinking, llm))
         choices = Choices(rid_for(kind), body.n, driver)
-        await choices.submit(ids, params)
+        await choices.submit(ids, _params(body, llm, len(ids), num_lp))
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
             first = await choices.next(request)
             choices.fail_on(first[1])
+            spec = StreamSpec(kind, served_name, len(ids), bool(
+                body.stream_options and body.stream_options.include_usage), thinking,
+                llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None)
             return StreamingResponse(sse(request, choices, spec, first),
                                      media_type="text/event-stream")
         outs = await collect(choices, request)
-        if num_lp is None and not echo:
-            return JSONResponse(response(choices.rid, kind, served_name,
-                                         [(t, r) for t, r, _ in outs], len(ids),
-                                         sum(len(o) for _, _, o in outs), thinking))
-        return JSONResponse(await _scored(choices.rid, ids, outs, prompt, *scoring))
+        return JSONResponse(_whole(choices.rid, kind, ids, outs, head, head_lp, num_lp,
+                                   thinking, llm))
 
-    async def _scored(rid, ids, outs, prompt, kind, num_lp, echo, thinking, llm,
-                      driver) -> dict:
-        """A response with logprobs (teacher-forced on the engine thread) and/or the echoed
-        prompt in front of each choice."""
-        from deltaserve.server import logprobs as lp
-
-        head = ""
-        if echo:
-            head = prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
-        out = response(rid, kind, served_name, [(head + t, r) for t, r, _ in outs], len(ids),
-                       sum(len(o) for _, _, o in outs), thinking)
+    def _whole(rid, kind, ids, outs, head, head_lp, num_lp, thinking, llm) -> dict:
+        """The whole response: each choice's text after the echoed prompt (if any), and its
+        logprobs when asked (the prompt's part first)."""
+        out = response(rid, kind, served_name, [(head + t, r) for t, r, _, _ in outs], len(ids),
+                       sum(len(o) for _, _, o, _ in outs), thinking)
         if num_lp is not None:
-            fn = lp.completion_logprobs if kind == "text_completion" else lp.chat_logprobs
-            start = 0 if echo else len(ids)
-            for i, (_, _, out_ids) in enumerate(outs):
-                every = ids + out_ids
-                out["choices"][i]["logprobs"] = await driver.call(
-                    lambda every=every: fn(llm, every, start, num_lp))
+            start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
+            for i, (_, _, out_ids, entries) in enumerate(outs):
+                tail, _ = lp.step_logprobs(kind, llm.tokenizer.decode, out_ids, entries,
+                                           num_lp, start)
+                out["choices"][i]["logprobs"] = lp.joined(head_lp, tail)
         return out
 
     return app
+
+
+def _echo_text(prompt, ids: list[int], llm) -> str:
+    return prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
 
 
 def _key_ok(request: Request, api_key: str) -> bool:

@@ -1,6 +1,6 @@
-"""Token log-probabilities by teacher forcing: the model's own next-token distributions over a
-token sequence, as the OpenAI API returns them (`logprobs`, `echo` with prompt logprobs: what
-lm-evaluation-harness's loglikelihood requests read). Runs on the engine thread (bridge.call)."""
+"""Token log-probabilities as the OpenAI API returns them: the prompt's by teacher forcing (`echo`
+with prompt logprobs: what lm-evaluation-harness's loglikelihood requests read; runs on the
+engine thread through bridge.call), the generated tokens' from the engine's own step values."""
 
 from __future__ import annotations
 
@@ -39,50 +39,52 @@ def score(llm, ids: list[int], top_k: int) -> tuple[list[float | None], list[dic
     return token_lps, tops
 
 
+def _offsets(tokens: list[str], start: int) -> tuple[list[int], int]:
+    """Each token's text offset counted from `start`, and the offset after the last one."""
+    offsets = []
+    for tok in tokens:
+        offsets.append(start)
+        start += len(tok)
+    return offsets, start
+
+
+def _chat_item(tok: str, lp: float, alts) -> dict:
+    """One `content` entry of a chat completion's logprobs; alts: (text, logprob) pairs."""
+    return {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                             for t, v in alts]}
+
+
 def completion_logprobs(llm, ids: list[int], start: int, top_k: int) -> dict:
-    """The `logprobs` object of a text completion for tokens ids[start:]."""
+    """The `logprobs` object of a text completion for tokens ids[start:], teacher-forced (the
+    prompt part of `echo`: the engine gives generated tokens their values as it samples)."""
     token_lps, tops = score(llm, ids, top_k)
     tokens = [llm.tokenizer.decode([t]) for t in ids[start:]]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
     return {"tokens": tokens, "token_logprobs": token_lps[start:],
-            "top_logprobs": tops[start:] if top_k > 0 else None, "text_offset": offsets}
-
-
-def chat_logprobs(llm, ids: list[int], start: int, top_k: int) -> dict:
-    """The `logprobs` object of a chat completion for the generated tokens ids[start:]."""
-    token_lps, tops = score(llm, ids, top_k)
-    content = []
-    for i in range(start, len(ids)):
-        tok = llm.tokenizer.decode([ids[i]])
-        alts = [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                for t, lp in (tops[i] or {}).items()]
-        content.append({"token": tok, "logprob": token_lps[i], "bytes": list(tok.encode()),
-                        "top_logprobs": alts})
-    return {"content": content}
+            "top_logprobs": tops[start:] if top_k > 0 else None,
+            "text_offset": _offsets(tokens, 0)[0]}
 
 
 def step_logprobs(kind: str, decode, token_ids, entries, top_k: int, offset: int) -> tuple[dict,
                                                                                            int]:
-    """The `logprobs` object of one streamed chunk from the engine's own per-token values
+    """The `logprobs` object of generated tokens from the engine's own per-token values
     (StepOutput.logprobs: (logprob, ((id, logprob), ...)) per token), and the text offset after
-    it (completions count offsets from the start of the returned text)."""
+    them (completions count offsets from the start of the returned text)."""
     if kind == "chat.completion":
-        content = []
-        for tok_id, (lp, alts) in zip(token_ids, entries, strict=True):
-            tok = decode([tok_id])
-            top = [{"token": (t := decode([i])), "logprob": v, "bytes": list(t.encode())}
-                   for i, v in alts]
-            content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                            "top_logprobs": top})
+        content = [_chat_item(decode([tok_id]), lp, [(decode([i]), v) for i, v in alts])
+                   for tok_id, (lp, alts) in zip(token_ids, entries, strict=True)]
         return {"content": content}, offset
-    tokens, offsets = [], []
-    for tok_id in token_ids:
-        tokens.append(decode([tok_id]))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+    tokens = [decode([tok_id]) for tok_id in token_ids]
+    offsets, offset = _offsets(tokens, offset)
     tops = [{decode([i]): v for i, v in alts} for _, alts in entries] if top_k > 0 else None
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
             "text_offset": offsets}, offset
+
+
+def joined(head: dict | None, tail: dict) -> dict:
+    """A completion's logprobs: the echoed prompt's part (or none) followed by the generated."""
+    if head is None:
+        return tail
+    tops = None if head["top_logprobs"] is None else head["top_logprobs"] + tail["top_logprobs"]
+    return {key: head[key] + tail[key] for key in ("tokens", "token_logprobs", "text_offset")} | {
+        "top_logprobs": tops}

@@ -77,20 +77,22 @@ def _admission_error(item) -> ApiError:
     return ApiError(400, str(item))
 
 
-async def collect(choices: Choices, request) -> list[tuple[str, str, list[int]]]:
-    """Per choice: (text, finish reason, token ids)."""
+async def collect(choices: Choices, request) -> list[tuple[str, str, list[int], list]]:
+    """Per choice: (text, finish reason, token ids, the engine's logprob entries if asked)."""
     n = len(choices.rids)
     parts: list[list[str]] = [[] for _ in range(n)]
     ids: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     while any(r is None for r in reasons):
         i, ev = await choices.next(request)
         choices.fail_on(ev)
         parts[i].append(ev.text)
         ids[i].extend(ev.token_ids)
+        lps[i].extend(ev.logprobs or ())
         if ev.finished:
             reasons[i] = ev.finish_reason or "stop"
-    return [("".join(parts[i]), reasons[i], ids[i]) for i in range(n)]
+    return [("".join(parts[i]), reasons[i], ids[i], lps[i]) for i in range(n)]
 
 
 def usage(n_prompt: int, n_out: int) -> dict:
