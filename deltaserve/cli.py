@@ -28,6 +28,15 @@ def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None
                    "same as DELTASERVE_GPU_BACKEND)")
 
 
+def _tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over N processes (started here, or by torchrun); "
+                   "gloo on cpu, NCCL on cuda (one GPU each)")
+    p.add_argument("--tp-compress", choices=["fp16", "bf16"], default=None,
+                   help="16-bit transport of the FFN reductions, dynamically scaled (same as "
+                   "DELTASERVE_TP_COMPRESS)")
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument(
@@ -44,6 +53,25 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["ngram", "mtp"], default=None,
+                   help="speculative decoding for greedy requests: n-gram prompt lookup or the "
+                   "checkpoint's MTP block (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts verified per step (default 4)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", "
+                   "\"prompt_lookup_max\": 4}' (--speculative and --num-speculative-tokens win)")
+
+
+def _image_args(p: argparse.ArgumentParser, how: str) -> None:
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help=f"an image file for a vision model (repeatable); {how}")
+    p.add_argument("--downsample-mode", choices=("16x", "4x"), default=None,
+                   help="visual tokens per 448x448 piece: 64 (16x) or 256 (4x); default: "
+                   "the checkpoint's")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,14 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt", "-p", default=None, help="prompt text ('-' or omitted: read stdin)"
     )
     _sampling_args(gen, 128)
+    _tp_args(gen)
+    _spec_args(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the text"
     )
+    _image_args(gen, "the prompt becomes one user chat message with the images before the "
+                "text, unless it already holds one <|image_pad|> per image")
+    gen.add_argument("--no-think", action="store_true",
+                     help="with --image: disable Qwen3.5 thinking mode in the chat template")
     chat = sub.add_parser("chat", help="interactive chat with the checkpoint's template")
     _model_args(chat)
     _sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--no-think", action="store_true", help="disable Qwen3.5 thinking mode")
+    _image_args(chat, "attached to the first message; '/image PATH' attaches one to the next")
     make = sub.add_parser(
         "make-checkpoint", help="write a synthetic checkpoint of a real model's shape"
     )
@@ -98,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stop-temp", type=float, default=85.0,
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
+    _tp_args(bench)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
     _model_args(sv)
+    _spec_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None,
@@ -114,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,
                     help="serve a quantized copy of a float checkpoint (converted once into the "
                          "cache folder, reused on later starts)")
+    sv.add_argument("--max-images", type=int, default=8,
+                    help="images per request (vision models; more gets a 400)")
+    sv.add_argument("--max-visual-tokens", type=int, default=4096,
+                    help="visual tokens per request (640 for one 9-slice image in 16x mode)")
+    sv.add_argument("--max-image-mb", type=float, default=20.0,
+                    help="encoded bytes per image, in MiB")
+    sv.add_argument("--max-image-mpx", type=float, default=40.0,
+                    help="decoded pixels per image, in megapixels (checked before decoding)")
+    sv.add_argument("--max-body-mb", type=float, default=32.0,
+                    help="request body limit in MiB (images travel as base64 data: URLs)")
     sv.add_argument("--idle-unload-min", type=float, default=5.0,
                     help="free the model after this many idle minutes, reload it on the next "
                          "request (default 5; 0 = never)")
@@ -192,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "gpu_backend", None):  # the env knob is the one place engines read it from
         os.environ["DELTASERVE_GPU_BACKEND"] = args.gpu_backend
+    if getattr(args, "tp_compress", None):
+        os.environ["DELTASERVE_TP_COMPRESS"] = args.tp_compress
     try:
+        if getattr(args, "tp", 1) != 1 and args.command == "generate":
+            from deltaserve.distributed.cli import generate_ranks
+
+            code = generate_ranks(args, argv)
+            if code is not None:  # this process launched the ranks; they have finished
+                return code
         if args.command == "generate":
             from deltaserve.cli_generate import run_generate
 

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import sys
 
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.sampling import SamplingParams
+from deltaserve.errors import RequestError
+from deltaserve.multimodal.processor import IMAGE_PAD
 
 
 def _load(args: argparse.Namespace) -> LLM:
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    from deltaserve.spec.config import from_cli
+
+    spec = from_cli(getattr(args, "speculative", None),
+                    getattr(args, "num_speculative_tokens", None),
+                    getattr(args, "speculative_config", None))  # chat has no such flags
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              speculative_config=spec)
     note = " (the embedded default: a 19M-parameter Python-code model)" if llm.is_default_model else ""
     print(
         f"deltaserve: loaded {llm.model_dir} ({llm.model.dtype}, {args.device}) in {llm.load_s:.1f} s{note}",
@@ -47,23 +56,46 @@ def _footer(metrics: dict[str, float], llm=None) -> None:
         f"Peak memory: {peak_gb:.3f} GB" + (f"\n{report.summary()}" if report else ""),
         file=sys.stderr,
     )
+    spec = getattr(getattr(llm, "_engine", None), "spec", None)
+    if spec is not None:
+        s = spec.stats
+        print(f"Speculative ({spec.config.method}, k={spec.config.num_speculative_tokens}): "
+              f"{s.num_draft_tokens} drafted, {s.num_accepted_tokens} accepted "
+              f"({s.acceptance_rate:.1%}) in {s.num_drafts} verify steps", file=sys.stderr)
+
+
+def _with_images(llm: LLM, text: str, args: argparse.Namespace):
+    """generate's prompt: as given, or with --image one user message (images, then the text)
+    rendered by the chat template, unless the text already has one placeholder per image."""
+    if not args.image:
+        return text
+    if text.count(IMAGE_PAD) != len(args.image):
+        content = [{"type": "image", "image": path} for path in args.image]
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+        text = llm.tokenizer.apply_chat_template(messages, enable_thinking=not args.no_think)
+    return {"prompt": text, "multi_modal_data": {"image": list(args.image)},
+            "mm_processor_kwargs": {"downsample_mode": args.downsample_mode}}
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    text = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     llm = _load(args)
     params = _params(llm, args)
+    prompt = _with_images(llm, text, args)
     if args.json:
         out = llm.generate(prompt, params)[0]
         record = {
             "model": str(llm.model_dir),
-            "prompt": prompt,
+            "prompt": text,
+            "images": list(args.image),
             "prompt_token_ids": out.prompt_token_ids,
             "token_ids": out.outputs[0].token_ids,
             "text": out.outputs[0].text,
             "finish_reason": out.outputs[0].finish_reason,
             "timings": out.metrics,
         }
+        if llm.engine.spec is not None:
+            record["speculative"] = llm.engine.spec.stats.as_dict()
         print(json.dumps(record, ensure_ascii=False))
         _footer(out.metrics, llm)
         return 0
@@ -81,7 +113,9 @@ def run_chat(args: argparse.Namespace) -> int:
     params = _params(llm, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    print("deltaserve chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
+    attached = list(args.image)  # images for the next user message
+    print("deltaserve chat: /image PATH attaches an image, /reset clears the conversation, "
+          "/exit or Ctrl-D quits", file=sys.stderr)
     while True:
         if interactive:
             print(">>> ", end="", file=sys.stderr, flush=True)
@@ -89,14 +123,31 @@ def run_chat(args: argparse.Namespace) -> int:
         if not line or line.strip() == "/exit":
             return 0
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages, attached = (messages[:1] if args.system else []), []
+            continue
+        if line.startswith("/image "):
+            attached.append(line[len("/image "):].strip())
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        prompt = llm.tokenizer.apply_chat_template(messages, enable_thinking=not args.no_think)
-        reply, metrics = "", {}
-        for event in llm.stream(prompt, params, metrics):
+        text = line.rstrip("\n")
+        parts = [{"type": "image", "image": path} for path in attached]
+        messages.append({"role": "user",
+                         "content": [*parts, {"type": "text", "text": text}] if parts else text})
+        try:
+            prompt = llm.chat_prompt(messages, enable_thinking=not args.no_think)
+            if isinstance(prompt, dict):
+                prompt["mm_processor_kwargs"] = {"downsample_mode": args.downsample_mode}
+            stream = llm.stream(prompt, params, metrics := {})
+            first = next(stream)
+        except RequestError as exc:  # a bad image: say so, drop the turn, keep the conversation
+            print(f"error: {exc}", file=sys.stderr)
+            messages.pop()
+            attached = []
+            continue
+        attached = []
+        reply = ""
+        for event in itertools.chain([first], stream):
             reply += event.text
             sys.stdout.write(event.text)
             sys.stdout.flush()

@@ -32,6 +32,10 @@ class Env:
     exact_int8_activations: bool
     fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
+    # tensor parallelism's compressed all-reduce (distributed/comm.py):
+    tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
+    tp_compress_classes: str  # DELTASERVE_TP_COMPRESS_CLASSES=ffn[,attn,gdn] (default ffn)
+    tp_compress_scaling: str  # DELTASERVE_TP_COMPRESS_SCALING=dynamic|none (none: raw cast)
 
     @classmethod
     def read(cls) -> Env:
@@ -50,6 +54,10 @@ class Env:
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
             fla=_flag("DELTASERVE_FLA", default=True),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
+            tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
+            tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),
+            tp_compress_scaling=(os.environ.get("DELTASERVE_TP_COMPRESS_SCALING") or "dynamic"
+                                 ).strip().lower(),
         )
 
 

@@ -37,11 +37,18 @@ def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
         "--shared-prefix",
         str(shared or 0),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    tp = getattr(args, "tp", 1)
+    if engine == "ours" and tp > 1:  # the worker as tp ranks (its LLM joins their group)
+        from deltaserve.distributed.launch import run_ranks
+
+        code, stdout, stderr = run_ranks(cmd, tp, "cpu", capture=True)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if code != 0:
+        tail = stderr.strip().splitlines()[-1:] or ["no output"]
         raise DeltaserveError(f"benchmark of {engine} failed: {tail[0]}")
-    return json.loads(proc.stdout)
+    return json.loads(stdout)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -51,6 +58,12 @@ def run_bench(args: argparse.Namespace) -> int:
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     if getattr(args, "prefill_lens", None) is None:
         args.prefill_lens = "512,2048" if args.device == "cpu" else GPU_TIERS
+    if getattr(args, "tp", 1) != 1:
+        from deltaserve.distributed.cli import check_split
+
+        if args.device != "cpu":
+            raise DeltaserveError("bench --tp runs on cpu; on GPUs use scripts/gpu/tp_bench.py")
+        check_split(model_dir, args.tp)
     if args.device != "cpu":
         return _gpu(args, model_dir)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
@@ -69,7 +82,8 @@ def run_bench(args: argparse.Namespace) -> int:
     record = _header("cpu-bench", args, model_dir)
     record["dtype"] = dtype
     record["workload"].update(repeats=args.repeats, batch=getattr(args, "batch", None),
-                              shared_prefix=getattr(args, "shared_prefix", 0) or None)
+                              shared_prefix=getattr(args, "shared_prefix", 0) or None,
+                              tensor_parallel=getattr(args, "tp", 1))
     record["engines"] = engines
     return _emit(record, args)
 

@@ -75,6 +75,12 @@ def run(device: str, dtype_name: str, repeats: int) -> dict:
         rows.append({"image": name, "pieces": len(img.grid_hw), "tokens": img.total_tokens,
                      "ours_ms": ours_s * 1e3, "transformers_ms": ref_s * 1e3,
                      "speedup": ref_s / ours_s, "output_rel_l2": rel})
+        if device == "cuda":  # kernel time vs wall time: is the tower GPU- or host-bound?
+            from deltaserve.bench.attribution import profile_call
+
+            with torch.inference_mode():
+                rows[-1]["attribution"] = profile_call(
+                    lambda p=pixels, g=img.grid_hw: ours(p, list(g), "16x"))
         print(f"{name:<20} ours {ours_s * 1e3:9.1f} ms  transformers {ref_s * 1e3:9.1f} ms  "
               f"x{ref_s / ours_s:.2f}  rel {rel:.1e}", flush=True)
     return {"kind": "vision-tower", "git_commit": git_commit(), "device": device_info(device),

@@ -21,6 +21,9 @@ class SeqChunk:
     num_tokens: int
     block_table: tuple[int, ...]  # KV blocks covering positions [0, start_pos + num_tokens)
     snapshot_at: tuple[int, ...] = ()  # positions in (start_pos, end] whose GDN state is wanted
+    # speculative drafts under verification (spec/): every row attends and steps the GDN state as
+    # a decode row does, and every row gets logits
+    verify: bool = False
 
     @property
     def end_pos(self) -> int:
@@ -35,12 +38,15 @@ class StepBatch:
     offsets: list[int] = field(default_factory=list)  # flat index of each chunk's first token
     decode: list[int] = field(default_factory=list)  # chunks of one token: batched mixers
     prefill: list[int] = field(default_factory=list)  # longer chunks: one mixer call each
+    verify: list[int] = field(default_factory=list)  # draft-verification chunks (spec/verify.py)
     positions: torch.Tensor | None = None  # [T] absolute positions
     kv_blocks: torch.Tensor | None = None  # [T] block and row of each token's K/V
     kv_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None  # [BD]
-    decode_tables: torch.Tensor | None = None  # [BD,NBmax] (padded)
-    decode_lengths: torch.Tensor | None = None  # [BD] positions each decode row attends to
+    # attention's decode-style rows (decode chunks, then every row of a verify chunk, in flat order)
+    decode_tables: torch.Tensor | None = None  # [BA,NBmax] (padded)
+    decode_lengths: torch.Tensor | None = None  # [BA] positions each such row attends to
+    spec: object = None  # spec.rollback.VerifyRecord when verify chunks run: per-position states
     # filled by the GDN layers: snapshots[chunk][position][layer] = (conv window, state)
     snapshots: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(
         default_factory=dict
@@ -56,7 +62,8 @@ class StepBatch:
                 raise ValueError(f"chunk {i} has no tokens or too few KV blocks: {c}")
             batch.offsets.append(flat)
             flat += c.num_tokens
-            (batch.decode if c.num_tokens == 1 else batch.prefill).append(i)
+            kind = batch.verify if c.verify else batch.decode if c.num_tokens == 1 else batch.prefill
+            kind.append(i)
             pos = range(c.start_pos, c.end_pos)
             positions.extend(pos)
             blocks.extend(c.block_table[p // block_len] for p in pos)
@@ -64,13 +71,17 @@ class StepBatch:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         batch.positions, batch.kv_blocks, batch.kv_rows = map(as_long, (positions, blocks, rows))
         if batch.decode:
-            dec = [chunks[i] for i in batch.decode]
-            width = max(len(c.block_table) for c in dec)
-            batch.decode_slots = as_long([c.slot for c in dec])
+            batch.decode_slots = as_long([chunks[i].slot for i in batch.decode])
+        if batch.decode or batch.verify:
+            # one row per decode chunk and per verify-chunk token, in flat order (attend_rows)
+            att = [(c, p + 1) for c in chunks if c.verify or c.num_tokens == 1
+                   for p in range(c.start_pos, c.end_pos)]
+            width = max(len(c.block_table) for c, _ in att)
             batch.decode_tables = as_long(
-                [list(c.block_table) + [c.block_table[0]] * (width - len(c.block_table)) for c in dec]
+                [list(c.block_table) + [c.block_table[0]] * (width - len(c.block_table))
+                 for c, _ in att]
             )
-            batch.decode_lengths = as_long([c.end_pos for c in dec])
+            batch.decode_lengths = as_long([length for _, length in att])
         return batch
 
     def decode_mask(self) -> torch.Tensor:
@@ -86,9 +97,17 @@ class StepBatch:
     def decode_rows(self) -> slice | list[int]:
         """Flat rows of the decode chunks: a slice when the step is all decodes (no host-built
         index tensor, so the step can be captured in a CUDA graph)."""
-        if not self.prefill:
+        if not self.prefill and not self.verify:
             return slice(None)
         return [self.offsets[i] for i in self.decode]
+
+    def attend_rows(self) -> slice | list[int]:
+        """Flat rows that attend as decodes (decode_tables' rows): decode chunks and every row of
+        a verify chunk; a slice when there is no prefill chunk."""
+        if not self.prefill:
+            return slice(None)
+        return [self.offsets[i] + j for i, c in enumerate(self.chunks)
+                if i not in self.prefill for j in range(c.num_tokens)]
 
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.chunks[i].num_tokens)
@@ -96,3 +115,8 @@ class StepBatch:
     def last_rows(self) -> list[int]:
         """Flat index of each chunk's last token (where its next-token logits come from)."""
         return [self.offsets[i] + c.num_tokens - 1 for i, c in enumerate(self.chunks)]
+
+    def logit_rows(self) -> list[int]:
+        """Rows that get logits: each chunk's last token, every token of a verify chunk."""
+        return [self.offsets[i] + j for i, c in enumerate(self.chunks)
+                for j in (range(c.num_tokens) if c.verify else (c.num_tokens - 1,))]

@@ -89,6 +89,20 @@ class CacheManager:
         alloc.blocks.extend(blocks)
         return True
 
+    def truncate(self, request_id: str, num_positions: int) -> None:
+        """Forget positions >= num_positions (rejected drafts, spec/verify.py): blocks past them
+        go back to the pool, and their rows in the last kept block are zeroed as allocate() zeroes
+        a fresh block, so the pool holds what a run that never computed them holds."""
+        alloc, block_len = self._allocs[request_id], self.config.block_len
+        keep = -(-num_positions // block_len)
+        self.kv.decref(alloc.blocks[keep:])
+        del alloc.blocks[keep:]
+        if num_positions % block_len:
+            block = alloc.blocks[keep - 1]
+            for t in (*self.kv.k, *self.kv.v):
+                if t is not None:
+                    t[block, :, num_positions % block_len:] = 0
+
     def release(self, request_id: str) -> None:
         alloc = self._allocs.pop(request_id)
         self.kv.decref(alloc.blocks)

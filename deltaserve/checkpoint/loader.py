@@ -36,9 +36,12 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
+def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", tp=None):
+    """(model, the checkpoint's TextConfig, raw config.json). With tp (a distributed.group.TPGroup)
+    the model is this rank's shard: built from the local config, each tensor sliced to its part."""
     raw = read_config(model_dir)
     cfg = text_config_for(raw)
+    plan = None if tp is None else _tp_plan(cfg, tp)
     param_dtype = resolve_dtype(dtype, raw)
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -47,14 +50,38 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu"):
         torch.set_flush_denormal(True)
     cls = text_model_class(raw["model_type"])
     index = TensorIndex.scan(model_dir)
+    if plan is not None:
+        _check_quantized_split(plan, raw, index)
     with torch.device("meta"):
-        model = cls(cfg, param_dtype, activation_dtype(param_dtype, dev))
+        model = cls(cfg if plan is None else plan.local_config(), param_dtype,
+                    activation_dtype(param_dtype, dev))
         quantize_model_(model, raw, index)
     model = model.to_empty(device=dev)
     if dev.type == "cpu" and env().huge_pages:
         advise_huge_pages([p.data for p in model.parameters()])
-    _copy_weights(model, cfg, index, from_mlx if is_mlx_layout(index) else None)
+    _copy_weights(model, cfg, index, from_mlx if is_mlx_layout(index) else None,
+                  None if plan is None else plan.shard)
+    if plan is not None:
+        from deltaserve.distributed.comm import Comm, Compression
+        from deltaserve.distributed.sharded import attach
+
+        attach(model, plan, Comm(plan.size, dev, Compression.from_env()))
     return model.eval(), cfg, raw
+
+
+def _tp_plan(cfg: TextConfig, tp):
+    from deltaserve.distributed.shard import TPPlan
+
+    return TPPlan(cfg, tp.rank, tp.world_size)
+
+
+def _check_quantized_split(plan, raw: dict[str, Any], index: TensorIndex) -> None:
+    from deltaserve.distributed.shard import check_quantized_split
+    from deltaserve.quant.loading import quant_block, scheme_from
+
+    block = quant_block(raw)
+    if block is not None:
+        check_quantized_split(plan, index, lambda name: scheme_from(block, name))
 
 
 def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -72,7 +99,9 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex, fix=None) -> None:
+def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex, fix=None,
+                  shard=None) -> None:
+    """fix(name, tensor): layout repairs (MLX); shard(name, tensor): a rank's part of it."""
     targets = checkpoint_targets(model)
     missing = [name for name in targets if name not in index.locations]
     if missing:
@@ -82,6 +111,8 @@ def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex, f
         target = targets[name]
         if fix is not None:
             tensor = fix(name, tensor)
+        if shard is not None:
+            tensor = shard(name, tensor)
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(target.shape)}"

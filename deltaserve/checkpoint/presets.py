@@ -128,6 +128,23 @@ def _minicpm() -> dict[str, Any]:
     }
 
 
+def _minicpm_tiny() -> dict[str, Any]:
+    """MiniCPM-V-4.6's names, vocabulary and prompt layout at test size: the tiny text model
+    (width 128) and a 4-layer vision tower of width 64 (window merger after layer 1)."""
+    cfg = _minicpm()
+    tiny = _tiny()
+    text = cfg["text_config"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "max_position_embeddings"):
+        text[key] = tiny[key]
+    cfg["vision_config"].update(hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                                num_hidden_layers=4)
+    cfg["insert_layer_id"] = 1
+    return cfg
+
+
 def _tiny() -> dict[str, Any]:
     """A flat text-only config small enough for tests; V heads != K heads on purpose."""
     cfg = text_config(128, 256, 8, 4, 2, 2, 4, True)
@@ -196,6 +213,7 @@ PRESETS: dict[str, Preset] = {
         _QWEN_GEN,
     ),
     "minicpm-v-4.6": Preset("minicpm-v-4.6", _minicpm(), 0, 779, 2_600_856_032, _MINICPM_GEN),
+    "minicpm-v-tiny": Preset("minicpm-v-tiny", _minicpm_tiny(), 0, None, None, _MINICPM_GEN),
 }
 
 

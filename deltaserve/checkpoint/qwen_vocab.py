@@ -26,6 +26,12 @@ CHAT_TEMPLATE_FILE = "qwen3_5_chat_template.jinja"
 MODEL_MAX_LENGTH = 262144
 
 SPECIAL_TOKENS: dict[str, int] = {token: index for index, token in QWEN3_5_SPECIAL_TOKENS}
+# MiniCPM-V-4.6 appends these to the Qwen3.5 vocabulary, from id 248077 (formats.md 3.5)
+MINICPM_V_TOKENS: tuple[str, ...] = (
+    "<unk>", "<image>", "</image>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>",
+    "<point>", "</point>", "<slice>", "</slice>", "<image_id>", "</image_id>", "<timestamp>",
+    "</timestamp>",
+)
 
 
 def _vocab_bytes() -> bytes:
@@ -153,7 +159,24 @@ def default_chat_template() -> str:
     return resources.files(__package__).joinpath(CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
 
 
-def _tokenizer_config(chat_template: str) -> dict[str, Any]:
+def _with_extra_tokens(tokenizer_json: str, extra: tuple[str, ...]) -> tuple[str, dict[str, int]]:
+    """The tokenizer with `extra` special tokens appended after the last id, and every special
+    token's id."""
+    specials = dict(SPECIAL_TOKENS)
+    if not extra:
+        return tokenizer_json, specials
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    first = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
+    for offset, token in enumerate(extra):
+        if tokenizer.token_to_id(token) != first + offset:
+            raise ValueError(f"{token} got id {tokenizer.token_to_id(token)}, "
+                             f"expected {first + offset}")
+        specials[token] = first + offset
+    return tokenizer.to_str(), specials
+
+
+def _tokenizer_config(chat_template: str, specials: dict[str, int]) -> dict[str, Any]:
     added = {
         str(index): {
             "content": token,
@@ -163,7 +186,7 @@ def _tokenizer_config(chat_template: str) -> dict[str, Any]:
             "single_word": False,
             "special": True,
         }
-        for token, index in sorted(SPECIAL_TOKENS.items(), key=lambda item: item[1])
+        for token, index in sorted(specials.items(), key=lambda item: item[1])
     }
     return {
         "add_bos_token": False,
@@ -183,11 +206,14 @@ def _tokenizer_config(chat_template: str) -> dict[str, Any]:
     }
 
 
-def write_tokenizer_files(out_dir: Path, chat_template: str | None = None) -> None:
-    """Write tokenizer.json and tokenizer_config.json into out_dir (created if missing)."""
+def write_tokenizer_files(out_dir: Path, chat_template: str | None = None,
+                          extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """Write tokenizer.json and tokenizer_config.json into out_dir (created if missing);
+    extra_special_tokens (e.g. MINICPM_V_TOKENS) follow the Qwen3.5 specials."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     template = default_chat_template() if chat_template is None else chat_template
-    _write_atomic(out_dir / "tokenizer.json", build_tokenizer_json())
-    config = json.dumps(_tokenizer_config(template), indent=2, ensure_ascii=False)
+    tokenizer_json, specials = _with_extra_tokens(build_tokenizer_json(), extra_special_tokens)
+    _write_atomic(out_dir / "tokenizer.json", tokenizer_json)
+    config = json.dumps(_tokenizer_config(template, specials), indent=2, ensure_ascii=False)
     _write_atomic(out_dir / "tokenizer_config.json", config + "\n")

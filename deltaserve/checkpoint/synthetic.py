@@ -193,7 +193,7 @@ def preset_specs(p: Preset) -> list[TensorSpec]:
     )
 
 
-def _vision_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def vision_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Sane random values: GEMM weights ~ N(0, 1/fan_in), LayerNorm gains ~ 1, small biases.
 
     The preset writer's N(0, 0.02) everywhere (LayerNorm gains included) would shrink every
@@ -216,7 +216,7 @@ def write_vision_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     specs = minicpm_vision_specs(cfg["vision_config"], cfg["text_config"]["hidden_size"])
-    tensors = {s.name: _vision_init(s.name, s.shape, gen).to(dtype) for s in specs}
+    tensors = {s.name: vision_init(s.name, s.shape, gen).to(dtype) for s in specs}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out_dir

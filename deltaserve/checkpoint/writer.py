@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import Preset
-from deltaserve.checkpoint.synthetic import TensorSpec, preset_specs
+from deltaserve.checkpoint.synthetic import TensorSpec, preset_specs, vision_init
 from deltaserve.errors import DeltaserveError
 
 
@@ -31,6 +31,13 @@ def init_tensor(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Ten
     else:
         x = torch.zeros(spec.shape)
     return x.to(spec.dtype)
+
+
+def _init(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Tensor:
+    """Vision tensors get the tower's fan-in scaling (N(0, 0.02) would flatten its attention)."""
+    if spec.name.startswith(("model.vision_tower.", "model.merger.")):
+        return vision_init(spec.name, spec.shape, gen).to(spec.dtype)
+    return init_tensor(spec, gen, std)
 
 
 def shard_names(num_shards: int) -> list[str]:
@@ -66,7 +73,7 @@ def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
     names = shard_names(p.num_shards) if p.num_shards else ["model.safetensors"]
     weight_map: dict[str, str] = {}
     for group, file_name in zip(groups, names, strict=True):
-        tensors = {s.name: init_tensor(s, gen, std) for s in group}
+        tensors = {s.name: _init(s, gen, std) for s in group}
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         weight_map.update({s.name: file_name for s in group})
         del tensors
@@ -77,7 +84,7 @@ def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
     _write_json(out_dir / "config.json", p.config)
     if p.generation_config:
         _write_json(out_dir / "generation_config.json", p.generation_config)
-    write_tokenizer(out_dir)
+    write_tokenizer(out_dir, p.config["model_type"] == "minicpmv4_6")
     return {"preset": p.name, "num_tensors": len(specs), "num_bytes": total, "files": names}
 
 
@@ -91,12 +98,14 @@ def summarize(p: Preset) -> dict:
     }
 
 
-def write_tokenizer(out_dir: Path) -> None:
-    from deltaserve.checkpoint.qwen_vocab import write_tokenizer_files
+def write_tokenizer(out_dir: Path, minicpm_v: bool = False) -> None:
+    """The Qwen3.5 tokenizer files; minicpm_v adds MiniCPM-V-4.6's image and slice tokens."""
+    from deltaserve.checkpoint.qwen_vocab import MINICPM_V_TOKENS, write_tokenizer_files
 
     template = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text(encoding="utf-8")
+    extra = MINICPM_V_TOKENS if minicpm_v else ()
     try:
-        write_tokenizer_files(out_dir, chat_template=template)
+        write_tokenizer_files(out_dir, chat_template=template, extra_special_tokens=extra)
     except OSError as exc:
         raise DeltaserveError(f"cannot write tokenizer files to {out_dir}: {exc}") from exc
 

@@ -9,17 +9,18 @@ previous one's tokens are read back, and step() returns the previous step's outp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
-from deltaserve.engine.request import Request, Status
+from deltaserve.engine.request import ImageInputs, Request, Status
 from deltaserve.engine.runner import ModelRunner, StepLogits
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.stopping import StopChecker
 from deltaserve.errors import RequestError
+from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.tokenizer import StreamDecoder
 
 
@@ -31,6 +32,8 @@ class EngineConfig:
     # samples (or, later, asks for logprobs) is refused before any state changes
     greedy_head: bool = False
     overlap: bool = False  # launch greedy decode steps ahead of reading back tokens (overlap.py)
+    # draft-and-verify decoding for greedy requests (spec/); None = off. Steps run unoverlapped.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +63,29 @@ class _Live:
 
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: frozenset[int], max_model_len: int,
-                 config: EngineConfig, fingerprint: str) -> None:
+                 config: EngineConfig, fingerprint: str, model_dir=None) -> None:
+        """model_dir: the checkpoint folder (the MTP drafter reads its mtp.* block there)."""
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self.model_dir = model_dir
         self.max_model_len, self.config = max_model_len, config
         self.cache = CacheManager(model, config.cache, fingerprint)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, config.greedy_head)
+        self.spec = None
+        if config.speculative is not None:
+            from deltaserve.spec.verify import Speculator
+
+            self.spec = Speculator(config.speculative, self)
+            self.runner.spec_rollback = config.speculative.rollback
         self._live: dict[str, _Live] = {}
         self._pending = None  # overlap.InFlight: a launched step not read back yet
         self.host_buffers: list = [None, None]  # overlap: tokens read back, steps alternate
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    images: ImageInputs | None = None) -> None:
+        """images: the prompt's image placeholders and the embeddings they take (multimodal/)."""
         if self.config.greedy_head and not params.greedy:
             raise RequestError("this engine runs the greedy-only head (no logits are computed): "
                                f"temperature must be 0, got {params.temperature}")
@@ -89,7 +102,9 @@ class Engine:
         gen = make_generator(params, self.model.device)
         stops = StopChecker(params, self.eos_ids)
         detok = StreamDecoder(self.tokenizer, params.skip_special_tokens)
-        self.scheduler.add(Request(request_id, list(prompt_ids), max_new))
+        if images is not None:
+            _check_images(images, prompt_ids, self.model)
+        self.scheduler.add(Request(request_id, list(prompt_ids), max_new, images=images))
         max_new = self.scheduler.get(request_id).max_new_tokens  # capped to what the KV pool holds
         self._live[request_id] = _Live(params, gen, stops, detok, max_new, time.perf_counter())
 
@@ -103,6 +118,8 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         self._live.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def park(self, request_id: str) -> None:
@@ -112,22 +129,42 @@ class Engine:
         self.scheduler.resume(request_id)
 
     def step(self) -> list[StepOutput]:
-        if self.config.overlap:
+        if self.config.overlap and self.spec is None:
             return self._step_overlapped()
         plan = self.scheduler.schedule()
         return [] if plan.is_empty else self._run(plan)
 
     def _run(self, plan) -> list[StepOutput]:
         """Execute, sample, record and emit one plan, waiting for its results."""
-        all_ids = {c.request_id: self.scheduler.get(c.request_id).all_ids
-                   for c in plan.chunks if len(c.token_ids) > 1}
-        logits = self.runner.execute(plan, all_ids)
+        if self.spec is not None:
+            plan = self.spec.draft(plan)
+        reqs = {c.request_id: self.scheduler.get(c.request_id) for c in plan.chunks}
+        key_ids = {rid: reqs[rid].key_ids for rid in
+                   {c.request_id for c in plan.chunks if len(c.token_ids) > 1 and not c.num_draft}}
+        images = {rid: r.images for rid, r in reqs.items() if r.images is not None}
+        logits = self.runner.execute(plan, key_ids, images=images)
         sampled, failed = self._sample(logits)
         lps = self._logprobs(logits, sampled)
+        if self.spec is not None:
+            sampled.update(self.spec.verify(plan, logits, failed))
         errors = [self.fail(rid) for rid in sorted(failed)]
         self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
+        if self.spec is not None:
+            self.spec.observe(plan, logits)
         self.num_steps += 1
-        return errors + [self.emit(rid, token, lps.get(rid)) for rid, token in sampled.items()]
+        return errors + [self.emit(rid, token, lps.get(rid)) if isinstance(token, int)
+                         else self._emit_tokens(rid, token) for rid, token in sampled.items()]
+
+    def _emit_tokens(self, rid: str, tokens: tuple[int, ...]) -> StepOutput:
+        """A verify chunk's accepted tokens as one output; a stop inside drops the rest."""
+        num_before = len(self.scheduler.get(rid).output_ids) - len(tokens)
+        text = ""
+        for j, token in enumerate(tokens):
+            out = self.emit(rid, token, None, num_before + j + 1)
+            text += out.text
+            if out.finished:
+                break
+        return replace(out, text=text, token_ids=tuple(tokens[: j + 1]))
 
     def _step_overlapped(self) -> list[StepOutput]:
         """Launch this step if it can run ahead (overlap.can_overlap), then read back and emit the
@@ -151,6 +188,8 @@ class Engine:
         go back, and its state never entered the prefix cache (the runner saw to that)."""
         self.scheduler.abort(rid)
         self._live.pop(rid, None)
+        if self.spec is not None:
+            self.spec.forget(rid)
         return StepOutput(rid, "", (), True, "error", "non-finite logits")
 
     def _sample(self, logits: StepLogits) -> tuple[dict[str, int], frozenset[str]]:
@@ -217,6 +256,8 @@ class Engine:
             text += tail if hit is not None else tail + live.stops.finish()
         self.scheduler.finish(rid, ended[0])
         del self._live[rid]
+        if self.spec is not None:
+            self.spec.forget(rid)
         return StepOutput(rid, text, (token,), True, ended[0], ended[1], lp)
 
     def export_prefix_cache(self, path) -> int:
@@ -238,3 +279,14 @@ class Engine:
             return self.scheduler.get(request_id).status
         except KeyError:
             return None
+
+
+def _check_images(images: ImageInputs, prompt_ids: list[int], model) -> None:
+    """Positions inside the prompt and ascending, one embedding row of the model's width each."""
+    positions, num_prompt = images.positions, len(prompt_ids)
+    if any(not 0 <= p < num_prompt for p in positions) or list(positions) != sorted(set(positions)):
+        raise RequestError("image positions must be distinct prompt positions in ascending order")
+    expected = (len(positions), model.cfg.hidden_size)
+    if tuple(images.embeds.shape) != expected or len(images.key_ids) != num_prompt:
+        raise RequestError(f"image embeddings have shape {list(images.embeds.shape)}; the prompt "
+                           f"needs {list(expected)}")

@@ -15,10 +15,14 @@ from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.reader import read_json
 from deltaserve.engine.engine import Engine, EngineConfig
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput, StreamEvent
+from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
 from deltaserve.errors import RequestError
+from deltaserve.multimodal.config import VISION_MODEL_TYPES
+from deltaserve.multimodal.inputs import ImageLimits
+from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
@@ -39,8 +43,17 @@ class LLM:
         greedy_head: bool = False,
         kv_cache_dtype: str = "auto",
         max_waiting: int = 256,
+        tensor_parallel_size: int | None = None,
+        image_limits: ImageLimits | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
+        """tensor_parallel_size: ranks sharing the model (every rank runs this same program);
+        None = the world size of a torchrun (or `deltaserve --tp`) launch, else 1.
+        speculative_config: vLLM's dict ({"method": "ngram" | "mtp", "num_speculative_tokens": k,
+        "prompt_lookup_max": n, "prompt_lookup_min": m}, plus spec.config's own keys); None = off."""
+        speculative = SpeculativeConfig.from_value(speculative_config)
         from deltaserve.checkpoint.default import default_model_dir
+        from deltaserve.distributed.group import init_tp
 
         env.cache_clear()  # an engine sees the environment as it is when it is built
         threads = env().num_threads
@@ -52,7 +65,9 @@ class LLM:
         self.is_default_model = model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
-        self.model, self.config, self.raw_config = load_text_model(self.model_dir, dtype, device)
+        self.tp, device = init_tp(tensor_parallel_size, device)
+        self.model, self.config, self.raw_config = load_text_model(self.model_dir, dtype, device,
+                                                                   self.tp)
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
@@ -61,6 +76,8 @@ class LLM:
                 f"max_model_len must be in 1..{limit} for this model, got {max_model_len}"
             )
         self.max_model_len = max_model_len or limit
+        self.images = load_image_prompts(self, image_limits or ImageLimits()) if (
+            self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
         self.generation_config = self._generation_config()
         if kv_cache_dtype not in KV_DTYPES:
             raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
@@ -68,7 +85,7 @@ class LLM:
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes,
                                 greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype,
-                                max_waiting=max_waiting)
+                                max_waiting=max_waiting, speculative=speculative)
         self._engine: Engine | None = None
 
     @property
@@ -114,6 +131,23 @@ class LLM:
             f"a prompt must be text or a list of token ids, got {type(prompt).__name__}"
         )
 
+    def encode_request(self, prompt: Prompt) -> tuple[str | None, list[int], ImageInputs | None]:
+        """encode_prompt, plus images: {"prompt": text with one <|image_pad|> per image,
+        "multi_modal_data": {"image": one or a list of paths, bytes, data: URLs, PIL images}}
+        (vLLM's shape; "mm_processor_kwargs": {"downsample_mode": "4x"} picks the mode)."""
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            return (*self.encode_prompt(prompt), None)
+        if self.images is None:
+            raise RequestError(f"this model ({self.raw_config['model_type']}) takes no images")
+        data = prompt["multi_modal_data"]
+        images = data.get("image") if isinstance(data, dict) else None
+        if images is None:
+            raise RequestError("multi_modal_data supports 'image' only")
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        mode = (prompt.get("mm_processor_kwargs") or {}).get("downsample_mode")
+        ids, inputs = self.images.encode(prompt.get("prompt"), images, mode, self._check_ids)
+        return prompt.get("prompt"), ids, inputs
+
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise RequestError("the prompt is empty")
@@ -138,13 +172,13 @@ class LLM:
         ):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
-        encoded = [self.encode_prompt(p) for p in prompts]  # validate all before running any
+        encoded = [self.encode_request(p) for p in prompts]  # validate all before running any
         rids = [f"gen-{next(_ids)}" for _ in encoded]
         outs = {rid: CompletionOutput(0, "", []) for rid in rids}
         metrics: dict[str, dict[str, float]] = {}
         try:
-            for rid, (_, ids) in zip(rids, encoded, strict=True):
-                self.engine.add_request(rid, ids, params)
+            for rid, (_, ids, images) in zip(rids, encoded, strict=True):
+                self.engine.add_request(rid, ids, params, images)
                 metrics[rid] = {"t_start": time.perf_counter(), "num_prompt_tokens": len(ids)}
             done = 0
             while done < len(rids):
@@ -162,7 +196,7 @@ class LLM:
             for rid in rids:  # an exception (or Ctrl-C) must not leave requests holding slots
                 self.engine.abort(rid)
         return [RequestOutput(str(i), text, ids, [outs[rid]], True, metrics[rid])
-                for i, (rid, (text, ids)) in enumerate(zip(rids, encoded, strict=True))]
+                for i, (rid, (text, ids, _)) in enumerate(zip(rids, encoded, strict=True))]
 
     def stream(
         self,
@@ -171,10 +205,11 @@ class LLM:
         metrics: dict[str, float] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield text as it becomes decodable (never a split UTF-8 character); the last event is finished."""
-        _, ids = self.encode_prompt(prompt)
+        _, ids, images = self.encode_request(prompt)
         rid = f"stream-{next(_ids)}"
         m = metrics if metrics is not None else {}
-        self.engine.add_request(rid, ids, sampling_params or self.get_default_sampling_params())
+        self.engine.add_request(rid, ids, sampling_params or self.get_default_sampling_params(),
+                                images)
         m.update(t_start=time.perf_counter(), num_prompt_tokens=len(ids))
         all_metrics = {rid: m}
         try:
@@ -211,8 +246,15 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool = True,
     ) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
-        return self.generate(prompt, sampling_params)[0]
+        return self.generate(self.chat_prompt(messages, enable_thinking), sampling_params)[0]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], enable_thinking: bool = True) -> Prompt:
+        """Messages -> the rendered prompt, with their image parts as multi_modal_data."""
+        from deltaserve.multimodal.inputs import message_images
+
+        text = self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
+        images = message_images(messages)
+        return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
 _ids = itertools.count()
@@ -226,13 +268,27 @@ def _finish_metrics(m: dict[str, float]) -> None:
         m.pop(k, None)
 
 
+def load_image_prompts(llm: LLM, limits: ImageLimits):
+    """The vision tower (fp32 on CPU, the weights' dtype on GPUs, like the language model) and
+    the image front that turns image prompts into placeholder ids + embeddings."""
+    from deltaserve.checkpoint.loader import activation_dtype
+    from deltaserve.multimodal.inputs import ImagePrompts
+    from deltaserve.multimodal.loader import load_vision_model
+
+    dtype = activation_dtype(llm.model.dtype, llm.device)
+    vision = load_vision_model(llm.model_dir, dtype, str(llm.device))
+    token_id = int(llm.raw_config.get("image_token_id", 248056))
+    return ImagePrompts(vision, llm.tokenizer, token_id, llm.model.act_dtype, limits)
+
+
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}
 
 
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
-                 kv_cache_dtype: str = "auto", max_waiting: int = 256) -> Engine:
+                 kv_cache_dtype: str = "auto", max_waiting: int = 256,
+                 speculative: SpeculativeConfig | None = None) -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
@@ -244,10 +300,13 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
-    fingerprint = model_fingerprint(llm.model_dir,
-                                    f"{llm.model.dtype}/{llm.model.act_dtype}/{kv_dtype}")
+    from deltaserve.distributed.group import tag
+
+    fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}/"
+                                    f"{kv_dtype}{tag(llm.tp)}")
     overlap = env().overlap if env().overlap is not None else llm.model.device.type == "cuda"
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
-                    EngineConfig(sched, cache, greedy_head, overlap), fingerprint)
+                    EngineConfig(sched, cache, greedy_head, overlap, speculative), fingerprint,
+                    llm.model_dir)
     engine.memory_report = report
     return engine

@@ -37,7 +37,7 @@ class InFlight:
 
 def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
     """Every row a greedy single-token decode without logprobs whose input token is known, or is
-    the pending step's output for the same request."""
+    the pending step's output for the same request, and none an image prompt's token."""
     for c in plan.chunks:
         if len(c.token_ids) != 1 or not c.sample:
             return False
@@ -46,6 +46,9 @@ def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
             return False
         if c.token_ids[0] == PLACEHOLDER and (pending is None or c.request_id not in pending.rows):
             return False
+        req = engine.scheduler.get(c.request_id)
+        if req.images is not None and c.start_pos < len(req.prompt_ids):
+            return False  # a prompt token that may take an image embedding: the plain path
     return True
 
 

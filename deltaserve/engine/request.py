@@ -5,12 +5,26 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued (new or preempted): holds no slot and no KV
     RUNNING = "running"  # holds a slot; scheduled every step the budget allows
     PARKED = "parked"  # holds its slot but is never scheduled nor preempted
     FINISHED = "finished"  # done or aborted; holds nothing
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """A prompt's images as the language model sees them: the prompt positions of the image
+    placeholder tokens (ascending), the embeddings those positions take, and the prompt ids with
+    each placeholder replaced by a key of its image's content (negative, so never a real token):
+    the prefix cache hashes key_ids, so two prompts share a snapshot only if their images match."""
+
+    positions: tuple[int, ...]
+    embeds: torch.Tensor  # [len(positions), N] in the model's activation dtype, on its device
+    key_ids: tuple[int, ...]  # len(prompt_ids)
 
 
 @dataclass(slots=True)
@@ -25,6 +39,14 @@ class Request:
     num_restored: int = 0  # of those, how many came from the prefix cache at admission (metrics)
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
+    images: ImageInputs | None = None
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The ids the prefix cache keys on: all_ids, image placeholders keyed by content."""
+        if self.images is None:
+            return self.all_ids
+        return list(self.images.key_ids) + self.output_ids
 
     @property
     def all_ids(self) -> list[int]:

@@ -3,22 +3,30 @@ prefix snapshots the forward captured, and returns the logits of the chunks that
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 
 import torch
 
 from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.env import env
+from deltaserve.ops.norm import native_rows
 
 
 class StepLogits(Mapping[str, torch.Tensor]):
     """Request id -> next-token logits [vocab], over one [rows, vocab] tensor (so the sampler
     can take every greedy row's argmax in one op, without stacking copies of the rows)."""
 
-    def __init__(self, logits: torch.Tensor, rows: dict[str, int], chunk_rids: list[str]) -> None:
+    def __init__(self, logits: torch.Tensor, rows: dict[str, int], chunk_rids: list[str],
+                 verify_rows: dict[str, tuple[int, int]] | None = None) -> None:
         self.tensor, self.rows, self.chunk_rids = logits, rows, chunk_rids
+        # speculative verify chunks (spec/verify.py): request id -> (first row, rows); chunk_rids
+        # then names every row, so one non-finite row fails its request
+        self.verify_rows = verify_rows or {}
+        self.verify_record = None  # spec.rollback.VerifyRecord of the step, if it verified
         self.are_tokens = logits.dtype == torch.int64  # the greedy head's output: [rows] tokens
         # per chunk: all logits finite; a device tensor, read with the sampler's own host copy
         self._finite = None if self.are_tokens else torch.isfinite(logits).all(dim=-1)
@@ -56,6 +64,7 @@ class StepLogits(Mapping[str, torch.Tensor]):
 class ModelRunner:
     def __init__(self, model, cache: CacheManager, greedy_head: bool = False) -> None:
         self.model, self.cache, self.greedy_head = model, cache, greedy_head
+        self.spec_rollback = "keep"  # SpeculativeConfig.rollback, for steps with verify chunks
         self.graphs = None
         if model.device.type == "cuda" and env().cuda_graphs:
             from deltaserve.engine.cuda_graph import DecodeGraphs
@@ -64,13 +73,17 @@ class ModelRunner:
                                        greedy_head)
 
     def execute(self, plan: StepPlan, all_ids: dict[str, list[int]],
-                feed: Feed | None = None) -> StepLogits:
-        """all_ids: every planned request's known tokens (prefix keys are hashes of them).
-        feed (decode-only plans): (device tokens, rows of this plan, rows of those tokens): those
-        rows' input ids come from the device, never read back (engine/overlap.py).
+                feed: Feed | None = None,
+                images: Mapping[str, ImageInputs] | None = None) -> StepLogits:
+        """all_ids: every multi-token chunk's request's key ids (Request.key_ids: prefix keys
+        are hashes of them). feed (decode-only plans): (device tokens, rows of this plan, rows of
+        those tokens): those rows' input ids come from the device, never read back
+        (engine/overlap.py). images: the planned requests that have image placeholders.
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
+        inject = _injection(plan, images or {}, self.model.device)
         decodes = all(len(c.token_ids) == 1 for c in plan.chunks)
-        if self.graphs is not None and decodes and self.graphs.supports(len(plan.chunks)):
+        if (self.graphs is not None and decodes and inject is None
+                and self.graphs.supports(len(plan.chunks))):
             logits = self.graphs.run([max(c.token_ids[0], 0) for c in plan.chunks],
                                      [c.slot for c in plan.chunks],
                                      [c.start_pos for c in plan.chunks],
@@ -80,25 +93,52 @@ class ModelRunner:
         chunks, ids = [], []
         for c in plan.chunks:
             snap_at = ()
-            if len(c.token_ids) > 1:
+            if len(c.token_ids) > 1 and not c.num_draft:  # never a state that saw drafts
                 snap_at = self.cache.snapshot_positions(all_ids[c.request_id], c.start_pos,
                                                         c.start_pos + len(c.token_ids))
             chunks.append(SeqChunk(c.slot, c.start_pos, len(c.token_ids),
-                                   self.cache.block_table(c.request_id), snap_at))
+                                   self.cache.block_table(c.request_id), snap_at,
+                                   c.num_draft > 0))
             ids.extend(c.token_ids)
         device = self.model.device
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
+        if batch.verify:
+            from deltaserve.spec.rollback import VerifyRecord
+
+            batch.spec = VerifyRecord(batch, self.spec_rollback)
         ids_t = torch.tensor([max(t, 0) for t in ids] if feed else ids, device=device)
         if feed is not None:  # decode-only: chunk i is token i
             fed_ids(ids_t, feed)
-        logits = self.model.forward_batch(ids_t, batch, greedy=self.greedy_head)
+        with native_rows(not batch.prefill):  # decode rows' bits independent of the batch
+            logits = self.model.forward_batch(ids_t, batch, greedy=self.greedy_head,
+                                              inject=inject)
         out = _step_logits(logits, plan)
+        out.verify_record = batch.spec
         pending = {i: snaps for i, snaps in batch.snapshots.items() if snaps}
         for i, snaps in pending.items():  # (out.failed costs a host copy only when there are some)
             rid = plan.chunks[i].request_id
             if rid not in out.failed:  # a state that produced NaN/inf is never shared
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
         return out
+
+
+def _injection(plan: StepPlan, images: Mapping[str, ImageInputs], device: torch.device):
+    """(rows of the step [R], embeddings [R,N]) for the image placeholders the plan's chunks
+    cover, or None: a chunk [start, end) takes the rows of its request's positions in it."""
+    rows, embeds, offset = [], [], 0
+    for c in plan.chunks:
+        image = images.get(c.request_id)
+        end = c.start_pos + len(c.token_ids)
+        if image is not None:
+            lo = bisect.bisect_left(image.positions, c.start_pos)
+            hi = bisect.bisect_left(image.positions, end)
+            rows += [offset + p - c.start_pos for p in image.positions[lo:hi]]
+            if hi > lo:
+                embeds.append(image.embeds[lo:hi])
+        offset += len(c.token_ids)
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(embeds)
 
 
 # (tokens [R] int64 on the device, destination rows, source rows of tokens)
@@ -122,5 +162,16 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _step_logits(logits: torch.Tensor, plan: StepPlan) -> StepLogits:
-    rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
-    return StepLogits(logits, rows, [c.request_id for c in plan.chunks])
+    if not any(c.num_draft for c in plan.chunks):
+        rows = {c.request_id: i for i, c in enumerate(plan.chunks) if c.sample}
+        return StepLogits(logits, rows, [c.request_id for c in plan.chunks])
+    rows, rids, verify, at = {}, [], {}, 0  # a verify chunk has a logits row per token
+    for c in plan.chunks:
+        num = 1 + c.num_draft
+        if c.num_draft:
+            verify[c.request_id] = (at, num)
+        elif c.sample:
+            rows[c.request_id] = at
+        rids += [c.request_id] * num
+        at += num
+    return StepLogits(logits, rows, rids, verify)

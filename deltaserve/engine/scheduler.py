@@ -70,6 +70,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     start_pos: int  # absolute position of token_ids[0] (== request.num_computed at schedule time)
     sample: bool  # ends at the request's last known token: the engine samples from its last logits
+    num_draft: int = 0  # speculative drafts after the pending token (spec/verify.py appends them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +235,10 @@ class Scheduler:
         self._admit_waiting(step)
         return StepPlan(tuple(step.chunks.values()), tuple(step.preempted))
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
-        """Record what the runner computed; chunks of requests finished since the plan are ignored."""
+    def update(self, plan: StepPlan, sampled: Mapping[str, int | tuple[int, ...]]) -> None:
+        """Record what the runner computed; chunks of requests finished since the plan are ignored.
+        A chunk with drafts gets a tuple: the accepted drafts and the target's token after them
+        (its computed positions: the pending token and the accepted drafts, one per new token)."""
         applied: list[tuple[Request, ScheduledChunk]] = []
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
@@ -254,6 +257,11 @@ class Scheduler:
             applied.append((req, chunk))
         # checked first, applied after: a bad call leaves every request untouched
         for req, chunk in applied:
+            if chunk.num_draft:
+                tokens = sampled[chunk.request_id]
+                req.num_computed += len(tokens)
+                req.output_ids.extend(int(t) for t in tokens)
+                continue
             req.num_computed += len(chunk.token_ids)
             if chunk.sample:
                 req.output_ids.append(int(sampled[chunk.request_id]))
@@ -301,7 +309,7 @@ class Scheduler:
             req = self._waiting[0]
             if req.request_id in step.preempted:  # memory is tight; FCFS keeps the rest behind it
                 break
-            restored = self.cache.admit(req.request_id, req.all_ids)
+            restored = self.cache.admit(req.request_id, req.key_ids)
             if restored is None:  # head-of-line: later arrivals do not overtake it
                 break
             if not 0 <= restored < req.num_tokens:

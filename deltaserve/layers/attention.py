@@ -69,8 +69,8 @@ class GatedAttention(nn.Module):
         batch.kv.write(layer, batch.kv_blocks, batch.kv_rows, k[0].transpose(0, 1), v[0])
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
-        if batch.decode:  # one SDPA over all decoding sequences, padded keys masked out
-            rows = batch.decode_rows()
+        if batch.decode_tables is not None:  # one SDPA over all decode rows, padded keys masked
+            rows = batch.attend_rows()
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather_batch(layer, batch.decode_tables))
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
             o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask(),
@@ -100,8 +100,8 @@ class GatedAttention(nn.Module):
                             self.q_norm.eps)  # [T,HQ,D]
         out = proj.new_empty(num_tokens, self.num_heads * dim)
         scale = dim**-0.5
-        if batch.decode:
-            rows = batch.decode_rows()
+        if batch.decode_tables is not None:
+            rows = batch.attend_rows()
             rows = None if isinstance(rows, slice) else torch.tensor(rows, device=x.device)
             ta.paged_decode_attention_cuda(q, proj, k_pool, v_pool, batch.decode_tables,
                                            batch.decode_lengths, scale, out, rows)

@@ -93,6 +93,10 @@ class GatedDeltaNet(nn.Module):
                                  self.num_k_heads, out if all_decode else None)
             if not all_decode:
                 out[rows] = o.to(out.dtype)
+        if batch.verify:  # drafts: token by token through the same decode kernel (spec/rollback.py)
+            from deltaserve.spec.rollback import verify_steps
+
+            verify_steps(self, (qkv[0], z[0], b[0], a[0]), batch, layer, out)
         for i in batch.prefill:
             chunk, span = batch.chunks[i], batch.span(i)
             window = conv_pool[chunk.slot : chunk.slot + 1]

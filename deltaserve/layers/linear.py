@@ -46,13 +46,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features, dtype=dtype), False)
 
     scheme = None  # a quant.schemes.Scheme once quant.linear.quantize_module_ has packed it
+    # row-parallel under tensor parallelism: partial sums -> sums (distributed.sharded.attach)
+    reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme is not None:
             from deltaserve.quant.linear import quant_linear
 
-            return quant_linear(x, self)
-        return linear(x, self.weight)
+            y = quant_linear(x, self)
+        else:
+            y = linear(x, self.weight)
+        return y if self.reduce is None else self.reduce(y)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.out_sizes, dim=-1)

@@ -17,6 +17,8 @@ from deltaserve.layers.rotary import Rotary
 from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
+Injection = tuple[torch.Tensor, torch.Tensor]  # (rows [R] int64, input embeddings [R,N])
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int, dtype: torch.dtype) -> None:
@@ -70,6 +72,9 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self._rotary: Rotary | None = None
 
+    tp = None  # distributed.sharded.TPModel on a tensor-parallel shard: vocabulary-parallel ends
+    keep_hidden = False  # forward_batch keeps every row's final-normed hidden in last_hidden
+
     @property
     def head(self) -> nn.Module:
         """The module whose weight [vocab, N] maps hidden states to logits (maybe quantized)."""
@@ -92,7 +97,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]."""
         seq_len = input_ids.shape[1]
-        x = embed(self.model.embed_tokens, input_ids).to(self.act_dtype)
+        x = self._embed(input_ids)
         positions = torch.arange(state.position, state.position + seq_len, device=x.device)
         cos_sin = self.rotary().cos_sin(positions, self.act_dtype)
         for idx, layer in enumerate(self.model.layers):
@@ -108,18 +113,22 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, state)
         if not all_logits:
             h = h[:, -1]
-        head = self.head
-        return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()
+        return self._head(h)
 
     @torch.inference_mode()
     def forward_batch(
         self, input_ids: torch.Tensor, batch: StepBatch, all_logits: bool = False,
-        greedy: bool = False,
+        greedy: bool = False, inject: Injection | None = None,
     ) -> torch.Tensor:
         """input_ids [T]: the step's chunks back to back (batch says whose). Logits fp32 of each
         chunk's last token [num_chunks, vocab], or of every token [T, vocab] if all_logits; with
-        greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised)."""
-        x = embed(self.model.embed_tokens, input_ids[None]).to(self.act_dtype)
+        greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised).
+        inject (rows [R] int64, embeddings [R,N]): those rows of the step take the given input
+        embeddings instead of their token's (image placeholders take the vision tower's output)."""
+        x = self._embed(input_ids[None])
+        if inject is not None:
+            rows, embeds = inject
+            x[0].index_copy_(0, rows, embeds.to(x.dtype))
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         layers = self.model.layers
         # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
@@ -130,8 +139,22 @@ class Qwen3_5ForCausalLM(nn.Module):
             h, residual = layer.post_attention_layernorm.add_forward(mixed, residual)
             after = layers[idx + 1].input_layernorm if idx + 1 < len(layers) else self.model.norm
             h, residual = after.add_forward(layer.mlp(h), residual)
-        h = h[0] if all_logits or not batch.prefill else h[0, batch.last_rows()]
+        if self.keep_hidden:  # the MTP drafter reads every row's final-normed hidden (spec/mtp.py)
+            self.last_hidden = h[0]
+        h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
+        return self._head(h, greedy)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B,T] -> input embeddings [B,T,N] in the activation dtype."""
+        if self.tp is not None:
+            return self.tp.embed(self.model.embed_tokens, ids, self.act_dtype)
+        return embed(self.model.embed_tokens, ids).to(self.act_dtype)
+
+    def _head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """h [..., N] -> fp32 logits [..., vocab], or with greedy (h [R,N]) argmax tokens [R]."""
         head = self.head
+        if self.tp is not None:
+            return self.tp.greedy(h, head) if greedy else self.tp.logits(h, head)
         if greedy:
             return greedy_tokens(h, head)
         return (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)).float()

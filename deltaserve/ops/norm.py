@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,20 @@ from deltaserve.env import env
 from deltaserve.ops.native import native_lib
 
 NATIVE_MAX_ROWS = 8
+# Steps without prefill chunks (decodes, draft verification) take the native norm at any row count:
+# its rows are independent of each other, so a row's bits never depend on how many rows share
+# its step (spec/rollback.py relies on it). Set by the model runner around such forwards.
+_all_rows_native = [False]
+
+
+@contextlib.contextmanager
+def native_rows(enabled: bool = True):
+    """Within: CPU fp32 rms_norm calls run natively whatever their row count."""
+    before, _all_rows_native[0] = _all_rows_native[0], enabled
+    try:
+        yield
+    finally:
+        _all_rows_native[0] = before
 # CUDA: decode-sized inputs (a step's sequences) and every 16-bit input take the one-kernel Triton
 # norm; fp32 prefill keeps torch's reduction, the one transformers runs (fp32 parity margins).
 CUDA_MAX_ROWS = 512
@@ -82,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     if (
         lib is None
         or env().reference_ops
-        or rows > NATIVE_MAX_ROWS
+        or (rows > NATIVE_MAX_ROWS and not _all_rows_native[0])
         or x.device.type != "cpu"
         or x.dtype != torch.float32
     ):

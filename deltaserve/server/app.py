@@ -17,9 +17,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
+from deltaserve.multimodal.inputs import message_images
 from deltaserve.server import logprobs as lp
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
+from deltaserve.server.images import check_image_parts, image_prompt
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from deltaserve.server.reasoning import opens_think_block
 from deltaserve.server.stream import Choices, StreamSpec, collect, response, sse
@@ -65,6 +67,8 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         card = {"id": served_name, "object": "model", "created": 0, "owned_by": "deltaserve"}
         if host.max_model_len is not None:
             card["max_model_len"] = host.max_model_len
+        if host.input_modalities is not None:  # llama-server's field: clients check it
+            card["architecture"] = {"input_modalities": host.input_modalities}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -97,16 +101,24 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         _check_model(body.model, served_name)
         async with host.use() as (llm, driver):
             try:
-                messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                messages = [{**m.model_dump(exclude_none=True), "content": m.template_content()}
                             for m in body.messages]
+                sources = message_images(messages)
+                if sources:
+                    check_image_parts(llm, sources)  # before rendering: nothing spent yet
                 kwargs = dict(body.chat_template_kwargs or {})
                 text = llm.tokenizer.apply_chat_template(
                     messages, enable_thinking=bool(kwargs.pop("enable_thinking", True)), **kwargs)
             except (ValueError, DeltaserveError, TypeError) as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from exc
-            ids = llm.tokenizer.encode(text)
+            images = None
+            if sources:
+                mode = (body.mm_processor_kwargs or {}).get("downsample_mode")
+                ids, images = await image_prompt(llm, driver, text, sources, mode)
+            else:
+                ids = llm.tokenizer.encode(text)
             return await _complete(request, body, ids, "chat.completion", llm, driver,
-                                   opens_think_block(text))
+                                   opens_think_block(text), images)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -120,7 +132,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return await _complete(request, body, ids, "text_completion", llm, driver)
 
     async def _complete(request: Request, body, ids: list[int], kind: str, llm, driver,
-                        thinking: bool = False):
+                        thinking: bool = False, images=None):
         num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
         if body.stream and body.token_limit() == 0:
             raise ApiError(400, "max_tokens: 0 (scoring the prompt) needs stream off",
@@ -142,7 +154,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return JSONResponse(_whole(rid_for(kind), kind, ids, outs, head, head_lp, num_lp,
                                        thinking, llm))
         choices = Choices(rid_for(kind), body.n, driver)
-        await choices.submit(ids, _params(body, llm, len(ids), num_lp))
+        await choices.submit(ids, _params(body, llm, len(ids), num_lp), images)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
             first = await choices.next(request)
             choices.fail_on(first[1])
@@ -249,6 +261,12 @@ def _metrics_text(host: ModelHost, name: str) -> str:
         f"deltaserve:requests_open{label} {num_open}",
         f"deltaserve:requests_aborted_total{label} {c.aborted}",
         f"deltaserve:engine_steps_total{label} {c.num_steps}",
+        # speculative decoding (spec/): verify steps, drafted and accepted tokens (vLLM's names)
+        f"vllm:spec_decode_num_drafts_total{label} {engine['spec_drafts']}",
+        f"vllm:spec_decode_num_draft_tokens_total{label} {engine['spec_draft_tokens']}",
+        f"vllm:spec_decode_num_accepted_tokens_total{label} {engine['spec_accepted_tokens']}",
+        f"deltaserve:spec_decode_acceptance_rate{label} "
+        f"{engine['spec_accepted_tokens'] / max(1, engine['spec_draft_tokens']):.6f}",
     ]
     labels = f'model_name="{name}"'
     for metric, hist in (("vllm:time_to_first_token_seconds", c.ttft),

@@ -99,13 +99,16 @@ class EngineDriver:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
-        """From a handler on the event loop: the request's event queue."""
+    def submit(self, request_id: str, prompt_ids: list[int], params,
+               images=None) -> asyncio.Queue:
+        """From a handler on the event loop: the request's event queue (images: the prompt's
+        engine.request.ImageInputs, or None)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.alive:  # nobody would ever answer: fail now
             events.put_nowait(EngineDead(self.error or "the engine loop has stopped"))
             return events
-        self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events))
+        self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events,
+                        images))
         self._wake.set()
         return events
 
@@ -174,10 +177,10 @@ class EngineDriver:
     def _drain(self) -> None:
         for cmd in self._queued():
             if cmd[0] == "add":
-                _, rid, ids, params, loop, events = cmd
+                _, rid, ids, params, loop, events, images = cmd
                 self._streams[rid] = (loop, events)
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, images)
                 except Exception as exc:  # RequestError / CapacityError: the handler maps it
                     self._send(rid, exc)
                     self._streams.pop(rid, None)

@@ -33,6 +33,7 @@ class ModelHost:
         self.state = UNLOADED if llm is None else READY
         self.error: str | None = None
         self.max_model_len: int | None = None if llm is None else llm.max_model_len
+        self.input_modalities: list[str] | None = None if llm is None else _modalities(llm)
         self.num_loads = 0 if llm is None else 1
         self._load_task: asyncio.Task | None = None
         self._users = 0
@@ -94,6 +95,7 @@ class ModelHost:
 
     def _install(self, llm) -> None:
         self.llm, self.max_model_len = llm, llm.max_model_len
+        self.input_modalities = _modalities(llm)
         self.driver = EngineDriver(llm.engine, counters=self.counters)
         self.driver.start()
         self.state, self.error = READY, None
@@ -136,7 +138,9 @@ class ModelHost:
         totals = dict(self.counters.unloaded_totals)
         for key, value in _engine_counts(self.llm).items():
             totals[key] = totals.get(key, 0) + value
-        return {k: totals.get(k, 0) for k in ("preemptions", "prefix_hits", "prefix_misses")}
+        return {k: totals.get(k, 0) for k in ("preemptions", "prefix_hits", "prefix_misses",
+                                              "spec_drafts", "spec_draft_tokens",
+                                              "spec_accepted_tokens")}
 
     async def unload(self) -> None:
         self.counters.unloaded_totals = self.engine_totals()
@@ -152,8 +156,12 @@ def _engine_counts(llm) -> dict[str, int]:
         return {}
     prefix = llm.engine.cache.prefix
     stats = prefix.stats() if prefix is not None else {"hits": 0, "misses": 0}
+    spec = llm.engine.spec.stats if llm.engine.spec is not None else None
     return {"preemptions": llm.engine.scheduler.num_preemptions_total,
-            "prefix_hits": stats["hits"], "prefix_misses": stats["misses"]}
+            "prefix_hits": stats["hits"], "prefix_misses": stats["misses"],
+            "spec_drafts": spec.num_drafts if spec else 0,
+            "spec_draft_tokens": spec.num_draft_tokens if spec else 0,
+            "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0}
 
 
 def _release_memory() -> None:
@@ -165,3 +173,7 @@ def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _modalities(llm) -> list[str]:
+    return ["text", "image"] if getattr(llm, "images", None) is not None else ["text"]

@@ -28,6 +28,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--idle-unload-min must be >= 0 (0 keeps the model loaded)")
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
     name = args.served_model_name or model_dir.name
+    limits = image_limits(args)
+    from deltaserve.spec.config import from_cli
+
+    spec = from_cli(args.speculative, args.num_speculative_tokens, args.speculative_config)
     failed: list[str] = []
 
     def load():
@@ -41,7 +45,8 @@ def run_serve(args: argparse.Namespace) -> int:
         _log(f"loading {path} ({args.dtype}, {args.device})")
         llm = LLM(path, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue)
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue,
+                  image_limits=limits, speculative_config=spec)
         _log(f"{name} ready in {llm.load_s:.1f} s (max_model_len {llm.max_model_len})")
         return llm
 
@@ -51,7 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = build_app(served_name=name, api_key=args.api_key, load=load, idle_unload_s=idle_s,
-                    on_first_load_failed=first_load_failed)
+                    on_first_load_failed=first_load_failed,
+                    max_body_bytes=int(args.max_body_mb * 2**20))
     _log(f"{name} on http://{args.host}:{args.port}/v1 (loading; /health is 200 once ready"
          f"{'; API key required' if args.api_key else ''}"
          f"{f'; unloads after {args.idle_unload_min:g} idle min' if idle_s else ''})")
@@ -59,3 +65,15 @@ def run_serve(args: argparse.Namespace) -> int:
                                            log_level="warning", timeout_graceful_shutdown=30))
     server.run()
     return 1 if failed else 0
+
+
+def image_limits(args: argparse.Namespace):
+    from deltaserve.multimodal.inputs import ImageLimits
+
+    values = (args.max_images, args.max_visual_tokens, args.max_image_mb, args.max_image_mpx,
+              args.max_body_mb)
+    if min(values) <= 0:
+        raise ConfigError("--max-images, --max-visual-tokens, --max-image-mb, --max-image-mpx "
+                          "and --max-body-mb must be positive")
+    return ImageLimits(args.max_images, int(args.max_image_mb * 2**20),
+                       int(args.max_image_mpx * 1e6), args.max_visual_tokens)

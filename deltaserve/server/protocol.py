@@ -22,16 +22,26 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The message text; array content keeps its text parts (images are issue 8's)."""
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The content as the chat template takes it: text, or checked parts (text and
+        image_url; an image_url is a data: URL, as a string or {"url": ...})."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
+        parts: list[dict[str, Any]] = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported by this model")
-            parts.append(part["text"])
-        return "".join(parts)
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError("an image_url part needs image_url.url (a data: URL)")
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            else:
+                raise ValueError(f"content part type {kind!r} is not supported (text, "
+                                 "image_url)")
+        return parts
 
 
 class _Sampling(BaseModel):
@@ -66,6 +76,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's per-request processor options; images take {"downsample_mode": "16x" | "4x"}
+    mm_processor_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 

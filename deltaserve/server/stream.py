@@ -25,9 +25,10 @@ class Choices:
         self.merged: asyncio.Queue = asyncio.Queue()  # (choice index, event)
         self._tasks: list[asyncio.Task] = []
 
-    async def submit(self, ids: list[int], params: list) -> None:
+    async def submit(self, ids: list[int], params: list, images=None) -> None:
         """Every choice admitted, or none (the admitted ones are aborted) and an ApiError."""
-        queues = [self.driver.submit(r, ids, p) for r, p in zip(self.rids, params, strict=True)]
+        queues = [self.driver.submit(r, ids, p, images)
+                  for r, p in zip(self.rids, params, strict=True)]
         firsts = [await q.get() for q in queues]
         refused = next((f for f in firsts if f is not ADMITTED), None)
         if refused is not None:

@@ -5,6 +5,8 @@
 #   bash scripts/gpu/session.sh bench   # bench --device cuda (0.8B, 2B, portable) + batch bench
 #   bash scripts/gpu/session.sh tune    # dense GEMV tests + scripts/gpu/gemv_tune.py
 #   bash scripts/gpu/session.sh ours    # the 0.8B bench and the batch bench without the peers
+#   bash scripts/gpu/session.sh vision  # the MiniCPM-V tower vs transformers, TTFT through serve
+#   bash scripts/gpu/session.sh spec    # speculative decoding: tests/spec, then spec_bench.py
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -18,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,clocks.mem --format=csv,noheader
 ckpt() { [ -d "$2" ] || python3 -m deltaserve make-checkpoint --preset "$1" --seed 0 "$2" > /dev/null; }
-ckpt qwen3.5-0.8b /tmp/q08
+[ "${1:-check}" = vision ] || ckpt qwen3.5-0.8b /tmp/q08
 quiet() { grep -v -i "warn" | tail -"$1"; }
 case "${1:-check}" in
 check)
@@ -49,6 +51,18 @@ ours)  # our engine only (the peers measured by `bench` earlier the same day), a
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --peer none \
         --prefill-lens 2048,5120,8192,10240,32768 --out "$OUT/bench-cuda.json" 2>&1 | quiet 4
     python3 scripts/gpu/batch_bench.py --int8 --peer-batches none --out "$OUT/batch-bench.json" \
+        2>&1 | quiet 6
+    ;;
+spec)  # issue 9: speculative decoding tests, then tok/s with and without drafts
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider tests/spec --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | tail -3
+    python3 scripts/gpu/spec_bench.py --out "$OUT/spec-bench.json" 2>&1 | quiet 40
+    ;;
+vision)  # issue 8: the MiniCPM-V tower vs transformers (bf16, real shape), then TTFT via serve
+    python3 -m deltaserve.bench.vision --device cuda --dtype bfloat16 --repeats 20 \
+        --out "$OUT/vision-tower.json" 2>&1 | quiet 6
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --out "$OUT/vision-ttft.json" \
         2>&1 | quiet 6
     ;;
 esac

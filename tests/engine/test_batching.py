@@ -30,8 +30,8 @@ def capture(engine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def wrapped(plan, all_ids, feed=None):
-        out = execute(plan, all_ids, feed)
+    def wrapped(plan, all_ids, feed=None, images=None):
+        out = execute(plan, all_ids, feed, images)
         for rid, lg in out.items():
             seen.setdefault(rid, []).append(lg.clone())
         return out

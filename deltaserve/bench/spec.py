@@ -1,0 +1,141 @@
+"""Speculative decoding benchmark: greedy tok/s with and without drafts on natural prose, code and a
+deliberately repetitive prompt, with the quality gate (tokens identical to the run without).
+
+    python -m deltaserve.bench.spec [--model DIR] [--device cpu] [--methods ngram,mtp] \
+        [--num-speculative-tokens 4] [--max-tokens 128] [--batch 1,4] --out FILE.json
+
+Each workload's prompts run one at a time (batch 1) and all together (batch = their number), in
+one process on one loaded model; every configuration runs after a warm-up. The repetitive prompt
+measures the ceiling (drafts nearly always right), never the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from deltaserve.bench.record import device_info, git_commit
+
+# prose and code from the quality gate's fixed set; the ceiling prompt repeats a short block
+GATE_IDS = {"prose": ("prose-short", "engineering-short", "finance-short"),
+            "code": ("code-textwrap", "code-fractions")}
+REPEAT_BLOCK = "for i in range(10):\n    total += values[i] * weights[i]\n"
+
+
+def workloads(max_prompt_chars: int = 1500) -> dict[str, list[str]]:
+    """prose, code (the gate prompts' openings) and repetitive (one block eight times)."""
+    gate = json.loads((Path(__file__).parent / "gate_prompts.json").read_text())["prompts"]
+    by_id = {p["id"]: p["text"][:max_prompt_chars] for p in gate}
+    out = {name: [by_id[i] for i in ids] for name, ids in GATE_IDS.items()}
+    out["repetitive"] = [REPEAT_BLOCK * 8]
+    return out
+
+
+def _engine(llm, spec):
+    from deltaserve.engine.llm import build_engine
+
+    args = dict(llm.engine_args, speculative=spec)
+    return build_engine(llm, **args)
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """All prompts at once through the engine: (tokens per prompt, wall seconds)."""
+    from deltaserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = {f"p{i}": [] for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"p{i}", ids, params)
+    while engine.has_work:
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+    return [tokens[f"p{i}"] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def measure(llm, spec, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+    """One configuration on one workload: tokens, tok/s and the speculative counters."""
+    engine = _engine(llm, spec)
+    _run(engine, prompts[:1], 8)  # warm-up (native kernels, allocator)
+    if engine.spec is not None:
+        from deltaserve.spec.verify import SpecStats
+
+        engine.spec.stats = SpecStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
+    outputs, seconds = [], 0.0
+    groups = [prompts] if batch > 1 else [[p] for p in prompts]
+    for group in groups:
+        toks, dt = _run(engine, group, max_tokens)
+        outputs += toks
+        seconds += dt
+    generated = sum(len(t) for t in outputs)
+    row = {"generated_tokens": generated, "seconds": round(seconds, 3),
+           "tok_s": round(generated / seconds, 2), "steps": engine.num_steps}
+    if engine.spec is not None:
+        row["speculative"] = engine.spec.stats.as_dict()
+    return row, outputs
+
+
+def run(llm, methods: list[str], num_tokens: int, max_tokens: int, batches: list[int]) -> dict:
+    from deltaserve.spec.config import SpeculativeConfig
+
+    results = {}
+    for name, texts in workloads().items():
+        prompts = [llm.tokenizer.encode(t) for t in texts]
+        for batch in batches:
+            if batch > 1 and len(prompts) == 1:
+                continue
+            key = f"{name}/batch{batch if batch == 1 else len(prompts)}"
+            base, want = measure(llm, None, prompts, max_tokens, batch)
+            entry = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                     "off": base}
+            for method in methods:
+                for adaptive in (False, True):
+                    spec = SpeculativeConfig(method=method, num_speculative_tokens=num_tokens,
+                                             adaptive=adaptive)
+                    row, got = measure(llm, spec, prompts, max_tokens, batch)
+                    same = sum(a == b for a, b in zip(got, want, strict=True))
+                    row["gate"] = {"tokens_identical": f"{same}/{len(want)}",
+                                   "passed": same == len(want)}
+                    row["net_gain"] = round(row["tok_s"] / base["tok_s"], 3)
+                    entry[f"{method}{'-adaptive' if adaptive else ''}"] = row
+                    print(key, method, "adaptive" if adaptive else "", json.dumps(row),
+                          flush=True)
+            results[key] = entry
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deltaserve.bench.spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--methods", default="ngram,mtp")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", default="1,4", help="1: each prompt alone; >1: all at once")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from deltaserve import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    methods = [m for m in args.methods.split(",") if m]
+    record = {"git_commit": git_commit(), "device": device_info(args.device),
+              "model": str(llm.model_dir), "dtype": args.dtype,
+              "flags": {"methods": methods, "num_speculative_tokens": args.num_speculative_tokens,
+                        "max_tokens": args.max_tokens, "batch": args.batch, "eos": "ignored",
+                        "greedy": True},
+              "note": "repetitive = the ceiling (drafts nearly always right), not the headline",
+              "results": run(llm, methods, args.num_speculative_tokens, args.max_tokens,
+                             [int(b) for b in args.batch.split(",")])}
+    text = json.dumps(record, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Prompts with images -> what the engine runs: token ids with one placeholder per visual token,
+and the vision tower's embeddings for those positions (engine/request.ImageInputs).
+
+Every check (count, bytes, pixels, visual tokens, placeholders) runs before the tower does, so a
+refused request costs no vision compute and changes no engine state.
+
+Prefix-cache keys: the placeholder id is the same for every image, so the prefix cache would
+confuse two images of one size. Each placeholder's key id is instead a 62-bit digest of its
+image's pixels, pieces and mode, negated (real token ids are never negative): an image prompt
+hits a snapshot only when its images are the same ones, and a follow-up turn about an earlier
+image reuses the first turn's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from deltaserve.engine.request import ImageInputs
+from deltaserve.errors import ConfigError, RequestError
+from deltaserve.multimodal.image import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    decode_data_url,
+    decode_image,
+)
+from deltaserve.multimodal.processor import (
+    IMAGE_PAD,
+    ProcessedImage,
+    expand_image_placeholders,
+    pack_images,
+    process_image,
+)
+
+# A path, a data: URL, encoded bytes, or an already decoded PIL image.
+ImageSource = str | Path | bytes | Image.Image
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """Per request; a 448x448 image is 64 visual tokens in 16x mode, overview + 9 slices 640."""
+
+    max_images: int = 8
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_visual_tokens: int = 4096
+
+
+def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:
+    """Decode one image source with the limits (every failure a RequestError)."""
+    if isinstance(source, Image.Image):
+        if source.width * source.height > limits.max_image_pixels:
+            raise RequestError(f"image has {source.width * source.height} pixels, over the "
+                               f"limit of {limits.max_image_pixels}")
+        return source
+    if isinstance(source, bytes):
+        return decode_image(source, limits.max_image_bytes, limits.max_image_pixels)
+    if isinstance(source, str) and source.startswith("data:"):
+        return decode_data_url(source, limits.max_image_bytes, limits.max_image_pixels)
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise RequestError("image URLs are not fetched (give the bytes as a data: URL)")
+    if not isinstance(source, str | Path):
+        raise RequestError(f"an image must be a path, data: URL, bytes or PIL image, got "
+                           f"{type(source).__name__}")
+    path = Path(source)
+    if not path.is_file():
+        raise RequestError(f"image file not found: {path}")
+    size = path.stat().st_size
+    if size > limits.max_image_bytes:
+        raise RequestError(f"image file {path} has {size} bytes, over the limit of "
+                           f"{limits.max_image_bytes}")
+    return decode_image(path.read_bytes(), limits.max_image_bytes, limits.max_image_pixels)
+
+
+def image_key(image: ProcessedImage) -> int:
+    """A negative int naming the image's content as the tower sees it (pixels, pieces, mode)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(image.pixel_values.numpy().tobytes())
+    digest.update(repr((image.grid_hw, image.slice_grid, image.mode)).encode())
+    return -1 - (int.from_bytes(digest.digest(), "little") >> 2)
+
+
+class ImagePrompts:
+    """The multimodal front of an LLM: text with one `<|image_pad|>` per image + the images ->
+    (prompt ids, ImageInputs), the tower run on the model's device."""
+
+    def __init__(self, vision_model, tokenizer, image_token_id: int, act_dtype: torch.dtype,
+                 limits: ImageLimits = ImageLimits()) -> None:
+        self.vision, self.tokenizer, self.limits = vision_model, tokenizer, limits
+        self.image_token_id, self.act_dtype = image_token_id, act_dtype
+        if tokenizer.token_id(IMAGE_PAD) != image_token_id:
+            raise ConfigError(f"the tokenizer maps {IMAGE_PAD} to {tokenizer.token_id(IMAGE_PAD)}"
+                               f" but config.json's image_token_id is {image_token_id}")
+
+    @property
+    def default_mode(self) -> str:
+        return self.vision.cfg.downsample_mode
+
+    def process(self, images: Sequence[ImageSource], mode: str | None = None
+                ) -> list[ProcessedImage]:
+        """Decode and slice every image, within the limits (no tower work yet)."""
+        if len(images) > self.limits.max_images:
+            raise RequestError(f"{len(images)} images in one request; the limit is "
+                               f"{self.limits.max_images}")
+        mode = mode or self.default_mode
+        processed = [process_image(load_image(src, self.limits), mode) for src in images]
+        num_tokens = sum(p.total_tokens for p in processed)
+        if num_tokens > self.limits.max_visual_tokens:
+            raise RequestError(f"the images need {num_tokens} visual tokens; the limit per "
+                               f"request is {self.limits.max_visual_tokens}")
+        return processed
+
+    def expand(self, text: str, processed: Sequence[ProcessedImage]) -> list[int]:
+        """text holding one IMAGE_PAD per image -> prompt ids, one placeholder per visual token."""
+        if not isinstance(text, str):
+            raise RequestError(f"a prompt with images must be text holding one {IMAGE_PAD} per "
+                               "image")
+        ids = self.tokenizer.encode(expand_image_placeholders(text, processed))
+        num_placeholders = sum(t == self.image_token_id for t in ids)
+        num_needed = sum(p.total_tokens for p in processed)
+        if num_placeholders != num_needed:
+            raise RequestError(f"the prompt has {num_placeholders} image placeholder tokens but "
+                               f"its images need {num_needed}")
+        return ids
+
+    def inputs(self, ids: list[int], processed: Sequence[ProcessedImage]) -> ImageInputs:
+        """The tower's embeddings for expand's ids, with the content-keyed cache ids."""
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        embeds = self.embed(processed)
+        key_ids, start = list(ids), 0
+        for image in processed:
+            key = image_key(image)
+            for pos in positions[start : start + image.total_tokens]:
+                key_ids[pos] = key
+            start += image.total_tokens
+        return ImageInputs(tuple(positions), embeds, tuple(key_ids))
+
+    def encode(self, text: str, images: Sequence[ImageSource], mode: str | None = None,
+               check_ids: Callable[[list[int]], object] | None = None,
+               ) -> tuple[list[int], ImageInputs]:
+        """process + expand + inputs; check_ids (e.g. the context limit) runs on the ids
+        before the tower does."""
+        processed = self.process(images, mode)
+        ids = self.expand(text, processed)
+        if check_ids is not None:
+            check_ids(ids)
+        return ids, self.inputs(ids, processed)
+
+    @torch.inference_mode()
+    def embed(self, processed: Sequence[ProcessedImage]) -> torch.Tensor:
+        """The tower + projector on all images at once -> [visual tokens, N] (activation dtype)."""
+        pixel_values, grid_hw = pack_images(processed)
+        param = next(self.vision.parameters())
+        features = self.vision(pixel_values.to(param.device, param.dtype), grid_hw,
+                               processed[0].mode)
+        return features.to(self.act_dtype)
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[ImageSource]:
+    """The image parts of OpenAI-shaped chat messages, in order: {"type": "image_url",
+    "image_url": {"url": ...}} (or the URL as a plain string) and {"type": "image", "image": ...}
+    (a path, bytes, data: URL or PIL image). The chat template renders one IMAGE_PAD for each."""
+    sources: list[ImageSource] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url" or "image_url" in part:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise RequestError("an image_url part needs {'url': '...'}")
+                sources.append(url)
+            elif part.get("type") == "image" or "image" in part:
+                if part.get("image") is None:
+                    raise RequestError("an image part needs an 'image' (a path, bytes, data: "
+                                       "URL or PIL image)")
+                sources.append(part["image"])
+    return sources

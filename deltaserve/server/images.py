@@ -1,0 +1,41 @@
+"""Image parts of chat requests -> prompt ids + the tower's embeddings, admitted cheaply first.
+
+Order (a refused request pays as little as possible): the model takes images at all, the image
+count, the queue has room; then decoding and slicing (off the event loop), the visual-token and
+context limits; the tower runs last, on the engine thread between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from deltaserve.errors import RequestError
+from deltaserve.server.errors import ApiError, context_overflow
+
+
+def check_image_parts(llm, sources: list) -> None:
+    """Refusals that need no decoding: a text-only model, too many images, a full queue."""
+    if llm.images is None:
+        raise ApiError(400, f"messages: this model ({llm.raw_config['model_type']}) takes no "
+                       "images", param="messages")
+    limit = llm.images.limits.max_images
+    if len(sources) > limit:
+        raise ApiError(400, f"messages: {len(sources)} images in one request; the limit is "
+                       f"{limit}", param="messages")
+    scheduler = llm.engine.scheduler
+    if scheduler.num_waiting >= scheduler.config.max_waiting:
+        raise ApiError(503, f"the queue is full (max_waiting={scheduler.config.max_waiting}); "
+                       "retry later", "queue_full")
+
+
+async def image_prompt(llm, driver, text: str, sources: list, mode: str | None):
+    """(prompt ids, ImageInputs) for a rendered chat text with one placeholder per image."""
+    check_image_parts(llm, sources)
+    try:
+        processed = await asyncio.to_thread(llm.images.process, sources, mode)
+        ids = llm.images.expand(text, processed)
+    except RequestError as exc:
+        raise ApiError(400, f"messages: {exc}", "invalid_image", "messages") from exc
+    if len(ids) >= llm.max_model_len:
+        raise context_overflow(len(ids), llm.max_model_len, 1)
+    return ids, await driver.call(lambda: llm.images.inputs(ids, processed))

@@ -1,0 +1,149 @@
+"""The checkpoint's multi-token-prediction block (`mtp.*`) as a drafter.
+
+MTP at position i reads the target's final-normed hidden h_i and the token t_{i+1}, and predicts
+t_{i+2}: x = fc(cat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i))) -> one gated
+full-attention decoder layer (its own KV, rotary position i) -> norm -> the target's (tied) head.
+Norms are Qwen3.5's zero-centred (1 + w). The order (embedding first) and the final-normed hidden
+follow vLLM's qwen3_next_mtp / qwen3_5_mtp and the stdlib-19m training code
+(scripts/train/model.py). Drafts past the first feed the block its own normed output as h.
+
+Per request the drafter keeps the block's KV for every computed position: after each step it
+runs the block over the new (h_i, t_{i+1}) pairs (the KV truncated first to drop last step's
+draft chain); the last row's prediction is the next step's first draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from deltaserve.cache.state import KVCache
+from deltaserve.checkpoint.loader import checkpoint_targets
+from deltaserve.checkpoint.reader import TensorIndex
+from deltaserve.config import FULL
+from deltaserve.errors import CheckpointError
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.norm import RMSNorm
+from deltaserve.models.qwen3_5 import DecoderLayer
+
+
+class MTPBlock(nn.Module):
+    """Named as the checkpoint's `mtp.` tensors: fc, pre_fc_norm_{embedding,hidden}, layers.0,
+    norm."""
+
+    def __init__(self, cfg, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.full_idx = cfg.layer_types.index(FULL)  # DecoderLayer builds attention for it
+        self.fc = Linear(2 * hidden, hidden, dtype)
+        self.pre_fc_norm_embedding = RMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, self.full_idx, dtype)])
+        self.norm = RMSNorm(hidden, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin, kv: KVCache
+                ) -> torch.Tensor:
+        """embeds, hidden [1,T,N] (next tokens' embeddings, the target's hidden) at the positions
+        of cos_sin, continuing kv (appended) -> normed hidden [1,T,N]."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
+        x = self.fc(x)
+        state = SimpleNamespace(kv={self.full_idx: kv})
+        return self.norm(self.layers[0](x, self.full_idx, state, cos_sin))
+
+
+def load_mtp(model, model_dir: Path) -> MTPBlock:
+    """The checkpoint's mtp.* tensors in an MTPBlock beside `model` (same dtype and device)."""
+    cfg = model.cfg
+    with torch.device("meta"):
+        block = MTPBlock(cfg, model.dtype)
+    block = block.to_empty(device=model.device).eval()
+    try:
+        index = TensorIndex.scan(model_dir, lambda n: n[4:] if n.startswith("mtp.") else None,
+                                 "MTP (mtp.*)")
+    except CheckpointError as exc:
+        raise CheckpointError(f"speculative method 'mtp' needs the checkpoint's mtp.* block: "
+                              f"{exc}") from exc
+    targets = checkpoint_targets(block)
+    missing = sorted(set(targets) - set(index.locations))
+    if missing:
+        raise CheckpointError(f"the checkpoint's MTP block lacks mtp.{missing[0]}")
+    for name, tensor in index.tensors(list(targets)):
+        if tuple(tensor.shape) != tuple(targets[name].shape):
+            raise CheckpointError(f"mtp.{name} has shape {list(tensor.shape)}, expected "
+                                  f"{list(targets[name].shape)}")
+        targets[name].copy_(tensor)
+    return block
+
+
+@dataclass(slots=True)
+class _Track:
+    kv: KVCache
+    draft: int | None = None  # the first draft for the next step
+    hidden: torch.Tensor | None = None  # [1,1,N] the block's output that predicted it
+    position: int = 0  # the position that output sits at
+
+
+class MTPDrafter:
+    def __init__(self, model, config, model_dir: Path | None) -> None:
+        self.model, self.config = model, config
+        if model_dir is None:
+            raise CheckpointError("speculative method 'mtp' needs the model's checkpoint folder")
+        self.block = load_mtp(model, Path(model_dir))
+        model.keep_hidden = True
+        self._tracks: dict[str, _Track] = {}
+
+    def _new_kv(self) -> KVCache:
+        cfg, dtype = self.model.cfg, self.model.act_dtype
+        empty = torch.empty(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=dtype,
+                            device=self.model.device)
+        return KVCache(empty, empty.clone())
+
+    @torch.inference_mode()
+    def run(self, track: _Track, hidden: torch.Tensor, next_ids: list[int], start: int) -> None:
+        """The block over positions start.. with hidden [T,N] and tokens next_ids [T]: KV
+        appended; the last row's prediction becomes the track's draft."""
+        model = self.model
+        track.kv.length = min(track.kv.length, start)  # drop the last draft chain
+        ids = torch.tensor([next_ids], device=model.device)
+        positions = torch.arange(start, start + len(next_ids), device=model.device)
+        cos_sin = model.rotary().cos_sin(positions, model.act_dtype)
+        out = self.block(model._embed(ids), hidden[None].to(model.act_dtype), cos_sin, track.kv)
+        track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
+        track.draft = int(model._head(out[0, -1:]).argmax(-1))
+
+    def observe(self, plan, engine) -> None:
+        """After a step: feed the block each greedy request's newly computed positions."""
+        hidden, at = self.model.last_hidden, 0
+        for c in plan.chunks:
+            span, at = (at, at + len(c.token_ids)), at + len(c.token_ids)
+            live = engine.live(c.request_id)
+            if live is None or not live.params.greedy or live.params.logprobs is not None:
+                continue
+            req = engine.scheduler.get(c.request_id)
+            num_new = req.num_computed - c.start_pos  # accepted rows of a verify chunk
+            track = self._tracks.get(c.request_id)
+            if track is None:
+                track = self._tracks[c.request_id] = _Track(self._new_kv())
+            next_ids = req.all_ids[c.start_pos + 1 : c.start_pos + 1 + num_new]
+            self.run(track, hidden[span[0] : span[0] + num_new], next_ids, c.start_pos)
+
+    def propose(self, rid: str, num: int) -> list[int]:
+        """The tracked first draft, then num - 1 more from the block's own outputs."""
+        track = self._tracks.get(rid)
+        if track is None or track.draft is None:
+            return []
+        first = (track.draft, track.hidden, track.position)
+        drafts = [track.draft]
+        while len(drafts) < num:
+            self.run(track, track.hidden[0], [drafts[-1]], track.position + 1)
+            drafts.append(track.draft)
+        # the chain's KV goes at the next observe (truncated to the step's start)
+        track.draft, track.hidden, track.position = first
+        return drafts
+
+    def forget(self, rid: str) -> None:
+        self._tracks.pop(rid, None)

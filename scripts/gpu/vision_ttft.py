@@ -1,0 +1,109 @@
+"""Time to first token of a single-image question through `deltaserve serve` (issue 8).
+
+Starts the server on a MiniCPM-V-4.6 checkpoint (random weights of the real shape), sends
+streamed chat requests with one image as a data: URL (a different image each time, so neither
+the prefix cache nor anything else can reuse work), and times the first content chunk as the
+client sees it: upload, decode, slicing, tower, prefill, first token, SSE. Writes JSON.
+
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --out vision_ttft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from PIL import Image
+
+
+def _data_url(height_px: int, width_px: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height_px, 0:width_px]
+    img = np.stack([(xx + seed) % 256, (yy * 2) % 256, (xx ^ yy) % 256], -1) + rng.integers(
+        0, 32, (height_px, width_px, 3))
+    buf = io.BytesIO()
+    Image.fromarray((img % 256).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _ttft_s(base: str, url: str, max_tokens: int = 8) -> tuple[float, float, int]:
+    """(seconds to the first content chunk, to the end, prompt tokens) of one streamed request."""
+    body = {"model": "m", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"}]}]}
+    t0 = time.perf_counter()
+    first, prompt_tokens = None, 0
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first = time.perf_counter() - t0
+    return first or float("nan"), time.perf_counter() - t0, prompt_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--port", type=int, default=8791)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    base = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", args.model,
+                               "--device", args.device, "--dtype", args.dtype, "--port",
+                               str(args.port), "--served-model-name", "m"], env=os.environ)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        results = {}
+        for name, (h, w) in {"448x448": (448, 448), "5-slice 672x896": (672, 896)}.items():
+            for seed in range(3):  # warm-up: kernels compiled, allocator sized
+                _ttft_s(base, _data_url(h, w, 1000 + seed))
+            runs = [_ttft_s(base, _data_url(h, w, seed)) for seed in range(args.requests)]
+            ttft = [r[0] * 1e3 for r in runs]
+            results[name] = {"ttft_ms_median": statistics.median(ttft), "ttft_ms_min": min(ttft),
+                             "ttft_ms_all": ttft, "e2e_ms_median": statistics.median(
+                                 r[1] * 1e3 for r in runs), "prompt_tokens": runs[0][2]}
+            print(name, f"TTFT median {results[name]['ttft_ms_median']:.1f} ms, "
+                  f"min {min(ttft):.1f} ms, prompt {runs[0][2]} tokens", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    from deltaserve.bench.record import device_info, git_commit
+
+    record = {"kind": "vision-ttft-server", "git_commit": git_commit(),
+              "device": device_info(args.device), "dtype": args.dtype, "model": args.model,
+              "max_tokens": 8, "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

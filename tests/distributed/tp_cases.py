@@ -1,0 +1,113 @@
+"""What the tensor-parallel tests run on every rank (and once at TP=1 as the reference): the
+single-sequence path (batch-2 prefill, then teacher-forced decode) and the batched engine (three
+prompts of different lengths, chunked prefill mixed with decodes), logits recorded at each step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PROMPT_LENS = (37, 90, 5)  # engine prompts: a chunk boundary at 64, a short one
+DECODE_STEPS = 6
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False) -> dict:
+    """Logits and tokens of both paths, fp32 on CPU."""
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp_size, max_num_seqs=4,
+              max_num_batched_tokens=64, prefix_cache_bytes=0, greedy_head=greedy_head)
+    model, out = llm.model, {}
+    if not greedy_head:
+        ids = torch.tensor([prompt_ids(40, 1), prompt_ids(40, 2)])
+        state = model.new_state(2)
+        steps = [model(ids[:, :34], state, all_logits=True)]  # prefill [2, 34, V]
+        steps += [model(ids[:, t : t + 1], state, all_logits=True) for t in range(34, 40)]
+        out["single"] = torch.cat(steps, dim=1)
+    recorded: list[torch.Tensor] = []
+    forward_batch = model.forward_batch
+
+    def spy(*args, **kwargs):
+        result = forward_batch(*args, **kwargs)
+        recorded.append(result.clone())
+        return result
+
+    model.forward_batch = spy
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    prompts = [prompt_ids(n, 10 + i) for i, n in enumerate(PROMPT_LENS)]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    out["tokens"] = [r.outputs[0].token_ids for r in results]
+    out["engine"] = recorded
+    if llm.tp is not None:
+        out["counters"] = model.tp.comm.report()
+    return out
+
+
+def tp_worker(rank: int, cases: list[tuple[str, bool]], tp_size: int, result_path: str) -> None:
+    """One rank of a spawned run over cases (model dir, greedy head); rank 0 saves the results."""
+    out = [run_case(Path(model_dir), tp_size, greedy) for model_dir, greedy in cases]
+    if rank == 0:
+        torch.save(out, result_path)
+
+
+def reference(cases: list[tuple[str, bool]], threads: int = 1) -> list[dict]:
+    """The cases at TP=1 in this process, with each rank's thread count: on the 0.8B shape fp32
+    logits of 1 vs 2 threads already differ by 1.2e-5 (GEMM blocking), a TP=2 rank uses 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return [run_case(Path(model_dir), 1, greedy) for model_dir, greedy in cases]
+    finally:
+        torch.set_num_threads(before)
+
+
+def write_08b_shape(out: Path, num_layers: int = 4) -> Path:
+    """Every tensor shape of Qwen3.5-0.8B (flat text config), `num_layers` of its 24 layers
+    (3 GDN + 1 attention for 4): the real shapes split, at a sixth of the compute."""
+    from deltaserve.checkpoint.presets import Preset, preset
+    from deltaserve.checkpoint.writer import write_checkpoint
+
+    base = preset("qwen3.5-0.8b")
+    cfg = dict(base.config["text_config"])
+    cfg.update(num_hidden_layers=num_layers, layer_types=cfg["layer_types"][:num_layers],
+               architectures=["Qwen3_5ForCausalLM"])
+    write_checkpoint(Preset("0.8b-shape", cfg, 0, generation_config=base.generation_config),
+                     out, seed=0)
+    return out
+
+
+def compress_worker(rank: int, model_dir: str, result_path: str) -> None:
+    """Counters of the compressed all-reduce on planted inputs, then the gate of compressed FFN
+    reductions against exact ones on the tiny model."""
+    from deltaserve import LLM
+    from deltaserve.distributed.comm import Comm, Compression
+    from deltaserve.distributed.gate import compression_gate
+    from deltaserve.distributed.group import init_group
+
+    init_group(2, "cpu")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(rank)) * 100
+    exact = Comm(2, torch.device("cpu"), Compression()).all_reduce(x.clone(), "ffn")
+    out: dict = {"exact": exact}
+    for scaling in ("none", "dynamic"):
+        planted = x.clone()
+        if rank == 0:
+            planted[3] = 110_677.0  # llama.cpp's overflow: > 65,504, the largest fp16
+        comm = Comm(2, torch.device("cpu"), Compression("fp16", ("ffn",), scaling))
+        exact_planted = Comm(2, torch.device("cpu"), Compression()).all_reduce(planted.clone())
+        out[scaling] = {"ffn": comm.all_reduce(planted.clone(), "ffn"),
+                        "attn": comm.all_reduce(planted.clone(), "attn"),
+                        "exact": exact_planted}
+        bad = x.clone()
+        if rank == 1:
+            bad[5] = float("nan")
+        out[scaling]["nan"] = comm.all_reduce(bad, "ffn")
+        out[scaling]["report"] = comm.report()
+    llm = LLM(Path(model_dir), dtype="float32", tensor_parallel_size=2, prefix_cache_bytes=0)
+    out["gate"] = compression_gate(llm, Compression("fp16"), max_prompts=1)
+    if rank == 0:
+        torch.save(out, result_path)

@@ -1,0 +1,56 @@
+"""Engines with and without speculation on the same model, and a step-by-step driver."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.cache.manager import CacheConfig
+from deltaserve.engine.engine import Engine, EngineConfig
+from deltaserve.engine.sampling import SamplingParams
+from deltaserve.engine.scheduler import SchedulerConfig
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_engine(llm, spec=None, num_slots=4, num_blocks=96, block_len=16, prefix_bytes=0,
+                budget=256) -> Engine:
+    """An engine on llm's model; spec: a SpeculativeConfig (None: off)."""
+    cfg = EngineConfig(SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget,
+                                       max_prefill_chunk=budget),
+                       CacheConfig(num_slots, num_blocks, block_len, 64, prefix_bytes),
+                       speculative=spec)
+    return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, cfg, "spec",
+                  llm.model_dir)
+
+
+def run_all(engine, prompts: dict[str, list[int]], params: SamplingParams, max_steps=2000,
+            after_step=None) -> dict[str, list[int]]:
+    tokens = {rid: [] for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for ev in engine.step():
+            tokens[ev.request_id].extend(ev.token_ids)
+        if after_step is not None:
+            after_step(engine)
+    assert not engine.has_work
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_llm(tiny_dir):
+    """bf16 weights, fp32 activations: the CPU path whose rows are bit-exact (spec/rollback.py)."""
+    from deltaserve import LLM
+
+    return LLM(tiny_dir, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def default_bf16_llm():
+    from deltaserve import LLM
+
+    return LLM(None, dtype="bfloat16")

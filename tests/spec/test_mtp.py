@@ -1,0 +1,82 @@
+"""The MTP block against a plain torch reference written from the formula (transformers has no MTP
+forward): x = fc(cat(norm_e(embed(t+1)), norm_h(h))), one gated full-attention layer, norm; all
+norms (1 + w), partial NeoX rotary, GQA, sigmoid output gate (reference/formats.md §2.2, §2.5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from deltaserve.cache.state import KVCache
+from deltaserve.spec.mtp import load_mtp
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.float())
+
+
+def rope(x: torch.Tensor, rot_dim: int, theta: float) -> torch.Tensor:
+    """x [T,H,D]: rotate-half on dims [0, rot_dim) at positions 0..T-1."""
+    inv = theta ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    ang = torch.arange(x.shape[0], dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
+    x1, x2 = x[..., : rot_dim // 2], x[..., rot_dim // 2 : rot_dim]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]], -1)
+
+
+def mtp_reference(w: dict[str, torch.Tensor], cfg, embed_w, hidden, next_ids) -> torch.Tensor:
+    eps, num_tokens = cfg.rms_norm_eps, len(next_ids)
+    hq, hkv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    lin = lambda x, name: x @ w[name].float().T  # noqa: E731
+    e = embed_w[next_ids].float()
+    x = lin(torch.cat([rms(e, w["pre_fc_norm_embedding.weight"], eps),
+                       rms(hidden, w["pre_fc_norm_hidden.weight"], eps)], -1), "fc.weight")
+    p = "layers.0."
+    h = rms(x, w[p + "input_layernorm.weight"], eps)
+    qg = lin(h, p + "self_attn.q_proj.weight").view(num_tokens, hq, 2 * dim)
+    q, gate = qg[..., :dim], qg[..., dim:]
+    k = lin(h, p + "self_attn.k_proj.weight").view(num_tokens, hkv, dim)
+    v = lin(h, p + "self_attn.v_proj.weight").view(num_tokens, hkv, dim)
+    rot = int(dim * cfg.partial_rotary_factor)
+    q = rope(rms(q, w[p + "self_attn.q_norm.weight"], eps), rot, cfg.rope_theta)
+    k = rope(rms(k, w[p + "self_attn.k_norm.weight"], eps), rot, cfg.rope_theta)
+    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * dim**-0.5
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    o = torch.einsum("hts,shd->thd", att, v).reshape(num_tokens, hq * dim)
+    gated = o * torch.sigmoid(gate.reshape(num_tokens, hq * dim))
+    x = x + lin(gated, p + "self_attn.o_proj.weight")
+    m = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+    up = F.silu(lin(m, p + "mlp.gate_proj.weight")) * lin(m, p + "mlp.up_proj.weight")
+    x = x + lin(up, p + "mlp.down_proj.weight")
+    return rms(x, w["norm.weight"], eps)
+
+
+def test_mtp_block_matches_the_formula(tiny_llm, tiny_dir) -> None:
+    model, cfg = tiny_llm.model, tiny_llm.config
+    weights = {}
+    for file in tiny_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            weights.update({k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")})
+    assert len(weights) == 15
+    block = load_mtp(model, tiny_dir)
+    g = torch.Generator().manual_seed(0)
+    num_tokens = 12
+    hidden = torch.randn(num_tokens, cfg.hidden_size, generator=g)
+    next_ids = torch.randint(0, 1000, (num_tokens,), generator=g)
+    want = mtp_reference(weights, cfg, model.model.embed_tokens.weight, hidden, next_ids)
+
+    empty = torch.empty(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+    kv = KVCache(empty, empty.clone())
+
+    def run(lo: int, hi: int) -> torch.Tensor:  # positions [lo, hi), continuing kv
+        cos_sin = model.rotary().cos_sin(torch.arange(lo, hi), torch.float32)
+        with torch.inference_mode():
+            return block(model._embed(next_ids[None, lo:hi]), hidden[None, lo:hi], cos_sin, kv)[0]
+
+    got = torch.cat([run(0, 9), run(9, 10), run(10, 12)])  # a chunk, then steps: one KV
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert kv.length == num_tokens

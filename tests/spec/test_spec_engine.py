@@ -1,0 +1,105 @@
+"""Greedy output with speculation equals greedy output without it, one request or many at once; the
+drafters, the adaptive off-switch and the prefix cache around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.sampling import SamplingParams
+from deltaserve.spec.config import SpeculativeConfig
+from deltaserve.spec.ngram import propose_ngram
+from tests.spec.conftest import greedy, make_engine, run_all
+
+PROSE = "The history of the city begins with a small settlement on the river, where traders"
+CODE = "import os\n\n\ndef list_python_files(path):\n"
+REPEAT = "x = 1\ny = 2\n" * 12  # the model keeps the pattern going: drafts get accepted
+
+
+def encode(llm, texts: dict[str, str]) -> dict[str, list[int]]:
+    return {rid: llm.tokenizer.encode(text) for rid, text in texts.items()}
+
+
+def test_ngram_lookup() -> None:
+    ids = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert propose_ngram(ids, 3, 2, 4) == [8, 9, 1]  # suffix 5 6 7 recurs at 0
+    assert propose_ngram(ids, 1, 2, 4) == [8]
+    assert propose_ngram([1, 2, 3, 4], 3, 2, 4) == []  # no suffix recurs
+    assert propose_ngram([3, 4, 9, 3, 4, 7, 3, 4], 2, 2, 2) == [7, 3]  # the latest match wins
+    # a byte pattern that matches across token boundaries is not a token match
+    assert propose_ngram([256, 0, 1, 1], 2, 1, 1) == [1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_greedy_identical_in_a_batch(default_bf16_llm, method) -> None:
+    """Prose, code and a repetitive prompt together, with and without speculation: the same
+    tokens; drafts were accepted and rejected in the run."""
+    llm = default_bf16_llm
+    prompts = encode(llm, {"prose": PROSE, "code": CODE, "repeat": REPEAT})
+    params = greedy(32)
+    want = run_all(make_engine(llm), prompts, params)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, adaptive=False)
+    engine = make_engine(llm, spec)
+    assert run_all(engine, prompts, params) == want
+    stats = engine.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_greedy_identical_fp32_weights(tiny_llm) -> None:
+    """fp32 weights: not the bit-exact path (MKL's sgemv vs sgemm), the same tokens all the same."""
+    g = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(1, 1000, (n,), generator=g).tolist()
+               for i, n in enumerate([5, 40, 90])}
+    prompts["loop"] = [7, 8, 9] * 10
+    want = run_all(make_engine(tiny_llm), prompts, greedy(20))
+    engine = make_engine(tiny_llm, SpeculativeConfig(adaptive=False))
+    assert run_all(engine, prompts, greedy(20)) == want
+    assert engine.spec.stats.num_drafts > 0
+
+
+def test_adaptive_switches_a_losing_request_off(tiny_bf16_llm) -> None:
+    def always_wrong(engine):
+        engine.spec._propose = lambda rid, num: [1] * num
+        return engine
+
+    prompts = {"r": list(range(10, 30))}
+    on = always_wrong(make_engine(tiny_bf16_llm, SpeculativeConfig(
+        num_speculative_tokens=4, adaptive_min_drafts=8, adaptive_min_acceptance=0.5)))
+    off = always_wrong(make_engine(tiny_bf16_llm, SpeculativeConfig(num_speculative_tokens=4,
+                                                                    adaptive=False)))
+    assert run_all(on, prompts, greedy(30)) == run_all(off, prompts, greedy(30))
+    assert on.spec.stats.num_disabled == 1
+    assert on.spec.stats.num_draft_tokens == 8  # two steps of 4, then no more drafts
+    assert off.spec.stats.num_draft_tokens > 40
+
+
+def test_sampling_and_logprobs_requests_never_draft(tiny_bf16_llm) -> None:
+    engine = make_engine(tiny_bf16_llm, SpeculativeConfig(adaptive=False))
+    prompts = {"r": [7, 8, 9] * 10}
+    run_all(engine, prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=12))
+    run_all(engine, {"s": [7, 8, 9] * 10},
+            SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True))
+    assert engine.spec.stats.num_drafts == 0
+
+
+def test_prefix_snapshots_never_hold_drafts(tiny_bf16_llm) -> None:
+    """Snapshots come from prefill chunks only: the same entries, bit for bit, with and without
+    speculation; a later hit decodes the same tokens."""
+    g = torch.Generator().manual_seed(6)
+    base = torch.randint(1, 1000, (150,), generator=g).tolist()
+    params = greedy(40)
+    plain = make_engine(tiny_bf16_llm, prefix_bytes=1 << 26)
+    spec = make_engine(tiny_bf16_llm, SpeculativeConfig(adaptive=False), prefix_bytes=1 << 26)
+    spec.spec._propose = lambda rid, num: [1] * num  # rejected: the rows after t0 are undone
+    first = {"a": base[:100]}
+    assert run_all(spec, first, params) == run_all(plain, first, params)
+    assert spec.spec.stats.num_drafts > 0
+    want, got = plain.cache.prefix.entries, spec.cache.prefix.entries
+    assert list(got) == list(want) and want
+    for key, snap in want.items():
+        for a, b in zip(snap.states, got[key].states, strict=True):
+            assert (a is None and b is None) or all(
+                torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    second = {"b": base[:64] + base[100:150]}
+    assert run_all(spec, second, params) == run_all(plain, second, params)
+    assert spec.cache.prefix.hits >= 1
