@@ -64,7 +64,7 @@ class StepLogits(Mapping[str, torch.Tensor]):
 class ModelRunner:
     def __init__(self, model, cache: CacheManager, greedy_head: bool = False) -> None:
         self.model, self.cache, self.greedy_head = model, cache, greedy_head
-        self.spec_rollback = "keep"  # SpeculativeConfig.rollback, for steps with verify chunks
+        self.spec_rollback = "recompute"  # SpeculativeConfig.rollback, for steps with verify chunks
         self.graphs = None
         if model.device.type == "cuda" and env().cuda_graphs:
             from deltaserve.engine.cuda_graph import DecodeGraphs

@@ -28,8 +28,11 @@ class SpeculativeConfig:
     adaptive_min_acceptance: float = 0.25
     # GDN rollback after a rejection: "keep" copies each verified position's state out and copies
     # the accepted one back; "recompute" copies the state once and re-runs the accepted tokens'
-    # recurrence steps (spec/rollback.py; chosen by measurement, docs/benchmarks)
-    rollback: str = "keep"
+    # recurrence steps (spec/rollback.py). Measured on CPU, k=4, 0.8B shape bf16 (a verify step,
+    # ms): all drafts right 283 keep / 249 recompute, one right 292 / 271; tiny: equal within
+    # noise (docs/benchmarks/2026-11-30-cpu-spec-rollback-*.json). The k state copies per layer
+    # cost more than an occasional re-run of the recurrence.
+    rollback: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -147,6 +147,40 @@ def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str) -> None:
         Path(path).write_text(json.dumps(rec))
 
 
+def parity(rank: int, model_dir: str, tp: int, path: str) -> None:
+    """FP32 (TF32 off) logits of every position of a 64-token prompt and 32 greedy tokens: the
+    bf16 comparison says little on random weights, whose near-flat logits let rounding flip the
+    argmax; FP32 shows whether TP=2 computes the same function."""
+    from deltaserve import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    llm = LLM(model_dir, dtype="float32", device="cuda", tensor_parallel_size=tp,
+              prefix_cache_bytes=0, max_num_seqs=4)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 248044, (1, 64), generator=gen)
+    logits = llm.model(ids.to(llm.model.device), llm.model.new_state(1), all_logits=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    greedy = llm.generate([{"prompt_token_ids": ids[0].tolist()}], params)[0].outputs[0].token_ids
+    if rank == 0:
+        torch.save({"logits": logits.float().cpu(), "greedy": greedy}, path)
+
+
+def profile_prefill(rank: int, model_dir: str, tp: int, n: int, path: str) -> None:
+    """Where a bf16 prefill of n tokens spends its time at this TP size (rank 0's view)."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.bench.attribution import profile_call
+
+    llm = LLM(model_dir, dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
+              prefix_cache_bytes=0, max_num_seqs=4, max_num_batched_tokens=n)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = torch.randint(0, 248044, (n,)).tolist()
+    llm.generate([ids], one)
+    rec = profile_call(lambda: llm.generate([ids], one))
+    if rank == 0:
+        Path(path).write_text(json.dumps(rec))
+
+
 def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     firsts = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), None)
               for p, q in zip(a, b, strict=True)]
@@ -164,6 +198,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--gate-prompts", type=int, default=2, help="0: no compressed gate")
     ap.add_argument("--work", default=None, help="checkpoint folder (default: a temp dir)")
+    ap.add_argument("--parity", action="store_true", help="2b: FP32 TP=2 vs TP=1 logits too")
+    ap.add_argument("--profile", action="store_true", help="attribute a 2k prefill per TP size")
+    ap.add_argument("--skip-speed", action="store_true", help="only parity / profile")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="tp_bench-"))
     opts = {"batches": [int(b) for b in args.batches.split(",")], "decode_tokens":
@@ -177,7 +214,7 @@ def main() -> None:
         t0 = time.perf_counter()
         model_dir = _checkpoint(name, work)
         runs = {"checkpoint_s": round(time.perf_counter() - t0, 1)}
-        for tp in (1, 2):
+        for tp in () if args.skip_speed else (1, 2):
             path = work / f"{name}-tp{tp}.json"
             t0 = time.perf_counter()
             spawn(measure, tp, str(model_dir), tp, opts, str(path), device="cuda")
@@ -185,10 +222,29 @@ def main() -> None:
                                "wall_s": round(time.perf_counter() - t0, 1)}
             print(name, f"tp{tp}", {k: v for k, v in runs[f"tp{tp}"].items()
                                     if k.endswith(("tok_s", "_s", "gib"))}, flush=True)
-        runs["greedy_tp2_vs_tp1"] = _agreement(runs["tp2"]["greedy"], runs["tp1"]["greedy"])
-        print(name, runs["greedy_tp2_vs_tp1"], flush=True)
+        if not args.skip_speed:
+            runs["greedy_tp2_vs_tp1"] = _agreement(runs["tp2"]["greedy"], runs["tp1"]["greedy"])
+            print(name, runs["greedy_tp2_vs_tp1"], flush=True)
+        if args.parity and name == "2b":
+            runs["fp32_parity"] = _fp32_parity(model_dir, work)
+            print(name, "fp32", runs["fp32_parity"], flush=True)
+        if args.profile:
+            for tp in (1, 2):
+                path = work / f"{name}-profile-tp{tp}.json"
+                spawn(profile_prefill, tp, str(model_dir), tp, 2048, str(path), device="cuda")
+                runs[f"prefill_2048_attribution_tp{tp}"] = json.loads(path.read_text())
         record["models"][name] = runs
         Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+def _fp32_parity(model_dir: Path, work: Path) -> dict:
+    out = {}
+    for tp in (1, 2):
+        spawn(parity, tp, str(model_dir), tp, str(work / f"parity-tp{tp}.pt"), device="cuda")
+        out[tp] = torch.load(work / f"parity-tp{tp}.pt")
+    a, b = out[2]["logits"].double(), out[1]["logits"].double()
+    return {"logits_rel_l2": float((a - b).norm() / b.norm()),
+            **_agreement([out[2]["greedy"]], [out[1]["greedy"]])}
 
 
 def _checkpoint(name: str, work: Path) -> Path:

@@ -69,12 +69,18 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = f"http://127.0.0.1:{args.port}"
+    log_path = os.path.join(os.path.dirname(os.path.abspath(args.out or ".")), "serve.log")
+    log = open(log_path, "w")
     server = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", args.model,
                                "--device", args.device, "--dtype", args.dtype, "--port",
-                               str(args.port), "--served-model-name", "m"], env=os.environ)
+                               str(args.port), "--served-model-name", "m"], env=os.environ,
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise RuntimeError("the server did not come up:\n" + open(log_path).read()[-3000:])
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break

@@ -114,7 +114,15 @@ def test_image_answer_equals_the_offline_engine(base, offline_llm) -> None:
 
 def _bad_images() -> dict[str, str]:
     png = encoded(picture(40, 60))
+    cmyk = encoded(picture(40, 60).convert("CMYK"), "JPEG")
+    gray16 = encoded(Image.fromarray(np.full((40, 60), 40000, dtype=np.uint16)))
+    frames = [picture(40, 60, seed=s) for s in range(3)]
+    gif = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:])
     return {
+        # each odd-but-valid kind (decoded when intact, below) broken in transit
+        "cmyk-truncated": data_url(cmyk[: len(cmyk) // 3], "image/jpeg"),
+        "16bit-truncated": data_url(gray16[: len(gray16) // 2]),
+        "animated-truncated": data_url(gif[: len(gif) // 6], "image/gif"),  # inside frame 0
         "truncated": data_url(png[: len(png) // 2]),
         "zero-size": data_url(b""),
         "bomb": data_url(png_header_only(30_000, 30_000)),

@@ -22,7 +22,7 @@ SERVER_PID: list[int] = []
 @pytest.fixture(scope="module")
 def server():
     with running_server("--api-key", KEY, "--max-model-len", "512",
-                        "--dtype", "float32") as (base, proc):
+                        "--dtype", "float32", "--max-body-mb", "4") as (base, proc):
         SERVER_PID.append(proc.pid)
         yield base
 
