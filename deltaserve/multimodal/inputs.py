@@ -69,13 +69,17 @@ def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:
         raise RequestError(f"an image must be a path, data: URL, bytes or PIL image, got "
                            f"{type(source).__name__}")
     path = Path(source)
-    if not path.is_file():
-        raise RequestError(f"image file not found: {path}")
-    size = path.stat().st_size
-    if size > limits.max_image_bytes:
-        raise RequestError(f"image file {path} has {size} bytes, over the limit of "
-                           f"{limits.max_image_bytes}")
-    return decode_image(path.read_bytes(), limits.max_image_bytes, limits.max_image_pixels)
+    try:
+        if not path.is_file():
+            raise RequestError(f"image file not found: {str(path)[:200]}")
+        size = path.stat().st_size
+        if size > limits.max_image_bytes:
+            raise RequestError(f"image file {path} has {size} bytes, over the limit of "
+                               f"{limits.max_image_bytes}")
+        data = path.read_bytes()
+    except OSError as exc:  # a name too long, a permission, a directory...
+        raise RequestError(f"cannot read image file {str(path)[:200]}: {exc.strerror}") from exc
+    return decode_image(data, limits.max_image_bytes, limits.max_image_pixels)
 
 
 def image_key(image: ProcessedImage) -> int:

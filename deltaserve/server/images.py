@@ -18,6 +18,13 @@ def check_image_parts(llm, sources: list) -> None:
     if llm.images is None:
         raise ApiError(400, f"messages: this model ({llm.raw_config['model_type']}) takes no "
                        "images", param="messages")
+    for source in sources:  # never a path on the server's disk, never a fetch
+        if not (isinstance(source, str) and source.startswith("data:")):
+            shown = source[:40] + "..." if isinstance(source, str) and len(source) > 40 else source
+            what = ("http(s) URLs are not fetched" if isinstance(source, str)
+                    and source.startswith(("http://", "https://")) else f"got {shown!r}")
+            raise ApiError(400, f"messages: an image_url must be a data: URL ({what})",
+                           "invalid_image", "messages")
     limit = llm.images.limits.max_images
     if len(sources) > limit:
         raise ApiError(400, f"messages: {len(sources)} images in one request; the limit is "

@@ -24,6 +24,10 @@ import httpx
 import numpy as np
 from PIL import Image
 
+# One keep-alive client, as the openai SDK keeps one: a fresh httpx call per request would time
+# httpx building an SSL context (50-100 ms here), not the server.
+CLIENT = httpx.Client()
+
 
 def _data_url(height_px: int, width_px: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
@@ -45,7 +49,7 @@ def _ttft_s(base: str, url: str, max_tokens: int = 8) -> tuple[float, float, int
                 {"type": "text", "text": "What is in this picture?"}]}]}
     t0 = time.perf_counter()
     first, prompt_tokens = None, 0
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+    with CLIENT.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():
@@ -59,6 +63,60 @@ def _ttft_s(base: str, url: str, max_tokens: int = 8) -> tuple[float, float, int
     return first or float("nan"), time.perf_counter() - t0, prompt_tokens
 
 
+def _breakdown(args) -> dict:
+    """The same request's stages in-process (no HTTP): decode + slice, render + tokenize, tower,
+    prefill + first token through the engine; medians of 10 after 3 warm-ups."""
+    import torch
+
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    stages: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        stages.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    for seed in range(13):
+        url = _data_url(448, 448, 500 + seed)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "What is this?"}]}]
+        processed = timed("decode_and_slice", lambda u=url: llm.images.process([u]))
+        text = timed("render_template", lambda m=messages: llm.tokenizer.apply_chat_template(
+            m, enable_thinking=False))
+        ids = timed("tokenize", lambda t=text, p=processed: llm.images.expand(t, p))
+        inputs = timed("tower_and_keys", lambda i=ids, p=processed: llm.images.inputs(i, p))
+
+        def first_token(i=ids, x=inputs, s=seed):
+            llm.engine.add_request(f"b{s}", i, one, x)
+            while llm.engine.has_work:
+                llm.engine.step()
+
+        timed("prefill_first_token", first_token)
+    return {name: statistics.median(v[3:]) for name, v in stages.items()}
+
+
+def _one_token_s(base: str, url: str) -> float:
+    """Seconds for a whole non-streamed 1-token answer: prefill + first token as the client sees
+    it (a streamed first chunk can come later when the first tokens decode to no text)."""
+    body = {"model": "m", "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"}]}]}
+    t0 = time.perf_counter()
+    r = CLIENT.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
@@ -67,6 +125,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--out", default=None)
+    p.add_argument("--breakdown", action="store_true", help="also time each stage in-process")
     args = p.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     log_path = os.path.join(os.path.dirname(os.path.abspath(args.out or ".")), "serve.log")
@@ -96,11 +155,19 @@ def main() -> None:
             results[name] = {"ttft_ms_median": statistics.median(ttft), "ttft_ms_min": min(ttft),
                              "ttft_ms_all": ttft, "e2e_ms_median": statistics.median(
                                  r[1] * 1e3 for r in runs), "prompt_tokens": runs[0][2]}
+            one = [_one_token_s(base, _data_url(h, w, 2000 + seed)) * 1e3
+                   for seed in range(args.requests)]
+            results[name]["one_token_response_ms_median"] = statistics.median(one)
+            results[name]["one_token_response_ms_all"] = one
+            print(name, f"1-token response median {statistics.median(one):.1f} ms", flush=True)
             print(name, f"TTFT median {results[name]['ttft_ms_median']:.1f} ms, "
                   f"min {min(ttft):.1f} ms, prompt {runs[0][2]} tokens", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=60)
+    if args.breakdown:
+        results["breakdown_448_ms"] = _breakdown(args)
+        print("breakdown 448x448 (ms, median):", results["breakdown_448_ms"], flush=True)
     from deltaserve.bench.record import device_info, git_commit
 
     record = {"kind": "vision-ttft-server", "git_commit": git_commit(),

@@ -162,6 +162,8 @@ def test_bad_image_requests_are_refused_before_running(llm, tiny_llm, tmp_path) 
         llm.generate(chat(llm, [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]))
     with pytest.raises(RequestError, match="not found"):
         llm.generate(chat(llm, [{"type": "image", "image": str(tmp_path / "missing.png")}]))
+    with pytest.raises(RequestError, match="cannot read"):
+        llm.generate(chat(llm, [{"type": "image", "image": "x" * 5000}]))  # name too long
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
     with pytest.raises(RequestError):
         llm.generate(chat(llm, [{"type": "image", "image": str(tmp_path / "bad.png")}]))

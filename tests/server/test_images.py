@@ -129,6 +129,8 @@ def _bad_images() -> dict[str, str]:
         "wrong-type": data_url(b"%PDF-1.4 not an image", "image/png"),
         "tiff": data_url(encoded(picture(40, 60), "TIFF"), "image/png"),
         "not-a-url": "malformed",
+        "server-path": "/etc/hostname",  # never read from the server's disk
+        "long-name": "x" * 5000,
         "http": "http://169.254.169.254/latest/meta-data",
         "bad-base64": "data:image/png;base64,@@@",
     }
