@@ -37,6 +37,14 @@ def _tp_args(p: argparse.ArgumentParser) -> None:
                    "DELTASERVE_TP_COMPRESS)")
 
 
+def _pp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallelism: N processes, each a contiguous range of layers "
+                   "(started like --tp; not combined with it)")
+    p.add_argument("--pp-layers", default=None, metavar="N1,N2,...",
+                   help="layers per pipeline rank, e.g. 10,14 (default: an even split)")
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument(
@@ -82,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sampling_args(gen, 128)
     _tp_args(gen)
+    _pp_args(gen)
     _spec_args(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the text"
@@ -134,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
     _tp_args(bench)
+    _pp_args(bench)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
     _model_args(sv)
     _spec_args(sv)
+    _tp_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None,
@@ -242,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "tp_compress", None):
         os.environ["DELTASERVE_TP_COMPRESS"] = args.tp_compress
     try:
-        if getattr(args, "tp", 1) != 1 and args.command == "generate":
+        if args.command == "serve" and args.tp != 1:  # rank 0 serves, the others follow it
+            from deltaserve.distributed.cli import generate_ranks
+
+            code = generate_ranks(args, argv)
+            if code is not None:
+                return code
+        if args.command == "generate" and (args.tp != 1 or args.pp != 1 or args.pp_layers):
             from deltaserve.distributed.cli import generate_ranks
 
             code = generate_ranks(args, argv)

@@ -20,8 +20,11 @@ def _load(args: argparse.Namespace) -> LLM:
     spec = from_cli(getattr(args, "speculative", None),
                     getattr(args, "num_speculative_tokens", None),
                     getattr(args, "speculative_config", None))  # chat has no such flags
+    from deltaserve.distributed.pipeline import parse_split
+
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec)
+              speculative_config=spec, pipeline_parallel_size=getattr(args, "pp", 1),
+              layer_split=parse_split(getattr(args, "pp_layers", None)))
     note = " (the embedded default: a 19M-parameter Python-code model)" if llm.is_default_model else ""
     print(
         f"deltaserve: loaded {llm.model_dir} ({llm.model.dtype}, {args.device}) in {llm.load_s:.1f} s{note}",

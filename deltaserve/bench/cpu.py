@@ -37,11 +37,15 @@ def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
         "--shared-prefix",
         str(shared or 0),
     ]
-    tp = getattr(args, "tp", 1)
-    if engine == "ours" and tp > 1:  # the worker as tp ranks (its LLM joins their group)
+    from deltaserve.distributed.cli import ranks_of
+
+    ranks, pp = ranks_of(args), getattr(args, "pp", 1)
+    if engine == "ours" and pp > 1:
+        cmd += ["--pp", str(pp), "--pp-layers", getattr(args, "pp_layers", None) or ""]
+    if engine == "ours" and ranks > 1:  # the worker as tp/pp ranks (its LLM joins their group)
         from deltaserve.distributed.launch import run_ranks
 
-        code, stdout, stderr = run_ranks(cmd, tp, "cpu", capture=True)
+        code, stdout, stderr = run_ranks(cmd, ranks, "cpu", capture=True)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
@@ -58,12 +62,20 @@ def run_bench(args: argparse.Namespace) -> int:
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     if getattr(args, "prefill_lens", None) is None:
         args.prefill_lens = "512,2048" if args.device == "cpu" else GPU_TIERS
-    if getattr(args, "tp", 1) != 1:
-        from deltaserve.distributed.cli import check_split
+    if getattr(args, "tp", 1) != 1 or getattr(args, "pp", 1) != 1:
+        from deltaserve.distributed.cli import check_pp_split, check_split, ranks_of
 
+        ranks_of(args)  # refuses --tp with --pp
         if args.device != "cpu":
-            raise DeltaserveError("bench --tp runs on cpu; on GPUs use scripts/gpu/tp_bench.py")
-        check_split(model_dir, args.tp)
+            raise DeltaserveError("bench --tp/--pp runs on cpu; on GPUs use "
+                                  "scripts/gpu/tp_bench.py")
+        if getattr(args, "pp", 1) != 1:
+            if getattr(args, "shared_prefix", 0):
+                raise DeltaserveError("bench --shared-prefix needs the prefix cache, which is off "
+                                      "under --pp")
+            check_pp_split(model_dir, args.pp, args.pp_layers)
+        else:
+            check_split(model_dir, args.tp)
     if args.device != "cpu":
         return _gpu(args, model_dir)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
@@ -83,7 +95,9 @@ def run_bench(args: argparse.Namespace) -> int:
     record["dtype"] = dtype
     record["workload"].update(repeats=args.repeats, batch=getattr(args, "batch", None),
                               shared_prefix=getattr(args, "shared_prefix", 0) or None,
-                              tensor_parallel=getattr(args, "tp", 1))
+                              tensor_parallel=getattr(args, "tp", 1),
+                              pipeline_parallel=getattr(args, "pp", 1),
+                              pp_layers=getattr(args, "pp_layers", None))
     record["engines"] = engines
     return _emit(record, args)
 

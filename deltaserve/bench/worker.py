@@ -25,11 +25,14 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repeats: int) -> dict:
+def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repeats: int,
+          parallel: dict | None = None) -> dict:
+    """parallel: LLM's pipeline_parallel_size / layer_split (tensor parallelism: the launch's)."""
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0)  # repeats must not hit a cache
+    # repeats must not hit a cache
+    llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0, **(parallel or {}))
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -47,14 +50,15 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
 
 
 def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: int,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", parallel: dict | None = None) -> dict:
     """Aggregate decode tok/s with B sequences decoding together (16-token random prompts, EOS
     ignored): timed from the step after every sequence has its first token to the last token."""
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=0,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, 16 * max(batches)))
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, 16 * max(batches)),
+              **(parallel or {}))
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     out = {}
@@ -194,17 +198,28 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", default="", help="batch sizes: aggregate decode instead")
     p.add_argument("--shared-prefix", type=int, default=0, help="TTFT with a cached system prompt")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the launch's ranks)")
+    p.add_argument("--pp-layers", default="", help="layers per stage, e.g. 10,14")
     a = p.parse_args()
     lens = [int(x) for x in a.lens.split(",") if x]
+    parallel = None
+    if a.pp > 1:
+        from deltaserve.distributed.pipeline import parse_split
+
+        parallel = {"pipeline_parallel_size": a.pp, "layer_split": parse_split(a.pp_layers)}
     if a.shared_prefix:
         result = shared_prefix_ttft(Path(a.model_dir), a.dtype, a.shared_prefix)
     elif a.batch:
         batches = [int(x) for x in a.batch.split(",") if x]
-        fn = _ours_batch if a.engine == "ours" else _transformers_batch
-        result = fn(Path(a.model_dir), a.dtype, batches, a.decode_tokens)
+        if a.engine == "ours":
+            result = _ours_batch(Path(a.model_dir), a.dtype, batches, a.decode_tokens,
+                                 parallel=parallel)
+        else:
+            result = _transformers_batch(Path(a.model_dir), a.dtype, batches, a.decode_tokens)
+    elif a.engine == "ours":
+        result = _ours(Path(a.model_dir), a.dtype, lens, a.decode_tokens, a.repeats, parallel)
     else:
-        fn = _ours if a.engine == "ours" else _transformers
-        result = fn(Path(a.model_dir), a.dtype, lens, a.decode_tokens, a.repeats)
+        result = _transformers(Path(a.model_dir), a.dtype, lens, a.decode_tokens, a.repeats)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     json.dump(result, sys.stdout)
 

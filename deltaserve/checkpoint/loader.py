@@ -36,12 +36,15 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", tp=None):
+def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", tp=None,
+                    pp=None):
     """(model, the checkpoint's TextConfig, raw config.json). With tp (a distributed.group.TPGroup)
-    the model is this rank's shard: built from the local config, each tensor sliced to its part."""
+    the model is this rank's shard: built from the local config, each tensor sliced to its part.
+    With pp (a distributed.pipeline.PPLaunch) it is this rank's pipeline stage: its layers only."""
     raw = read_config(model_dir)
     cfg = text_config_for(raw)
     plan = None if tp is None else _tp_plan(cfg, tp)
+    stage = None if pp is None else pp.plan(cfg)
     param_dtype = resolve_dtype(dtype, raw)
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -50,22 +53,31 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", t
         torch.set_flush_denormal(True)
     cls = text_model_class(raw["model_type"])
     index = TensorIndex.scan(model_dir)
+    mlx = is_mlx_layout(index)  # of the whole checkpoint: a stage may hold no GDN conv
     if plan is not None:
         _check_quantized_split(plan, raw, index)
+    local = cfg if plan is None else plan.local_config()
+    if stage is not None:
+        local, index = stage.local_config(cfg), stage.local_index(index, cfg.tie_word_embeddings)
     with torch.device("meta"):
-        model = cls(cfg if plan is None else plan.local_config(), param_dtype,
-                    activation_dtype(param_dtype, dev))
+        model = cls(local, param_dtype, activation_dtype(param_dtype, dev))
+        if stage is not None:
+            stage.drop_ends(model)
         quantize_model_(model, raw, index)
     model = model.to_empty(device=dev)
     if dev.type == "cpu" and env().huge_pages:
         advise_huge_pages([p.data for p in model.parameters()])
-    _copy_weights(model, cfg, index, from_mlx if is_mlx_layout(index) else None,
+    _copy_weights(model, cfg, index, from_mlx if mlx else None,
                   None if plan is None else plan.shard)
     if plan is not None:
         from deltaserve.distributed.comm import Comm, Compression
         from deltaserve.distributed.sharded import attach
 
         attach(model, plan, Comm(plan.size, dev, Compression.from_env()))
+    if stage is not None:
+        from deltaserve.distributed.pipeline import PPStage
+
+        model.pp = PPStage(stage, dev)
     return model.eval(), cfg, raw
 
 

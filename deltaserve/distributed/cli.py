@@ -1,5 +1,6 @@
-"""`--tp N` on the command line: check the model splits, then either start N ranks of this same
-command line (from a plain shell) or, inside one rank (torchrun's or ours), take its part."""
+"""`--tp N` / `--pp N` on the command line: check the model splits, then either start N ranks of
+this same command line (from a plain shell) or, inside one rank (torchrun's or ours), take its
+part."""
 
 from __future__ import annotations
 
@@ -30,17 +31,48 @@ def check_split(model_dir: Path, size: int) -> None:
     TPPlan(text_config_for(read_config(model_dir)), 0, size)
 
 
+def check_pp_split(model_dir: Path, size: int, layers: str | None) -> tuple[int, ...] | None:
+    """The same for --pp/--pp-layers: the split must cover the model's layers exactly."""
+    from deltaserve.checkpoint.reader import read_config
+    from deltaserve.distributed.pipeline import PPPlan, parse_split
+    from deltaserve.models.registry import text_config_for
+
+    split = parse_split(layers)
+    if size < 2:
+        if split is not None:
+            raise ConfigError(f"--pp-layers {layers} splits layers over --pp {len(split)} "
+                              f"ranks, but --pp is {size}")
+        return None
+    PPPlan.build(text_config_for(read_config(model_dir)).num_hidden_layers, 0, size, split)
+    return split
+
+
+def ranks_of(args: argparse.Namespace) -> int:
+    """Processes the command runs as: --tp or --pp (refused together)."""
+    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    if tp != 1 and pp != 1:
+        raise ConfigError(f"--tp {tp} with --pp {pp}: mixing tensor and pipeline parallelism is "
+                          "not supported (pick one)")
+    return pp if pp != 1 else tp
+
+
 def generate_ranks(args: argparse.Namespace, argv: list[str]) -> int | None:
-    """From a shell: run the command as args.tp ranks, return the exit code. Inside a rank:
-    None (the caller goes on; LLM joins the launch's group), rank 0 alone keeps stdout."""
+    """From a shell: run the command as --tp (or --pp) ranks, return the exit code. Inside a
+    rank: None (the caller goes on; LLM joins the launch's group), rank 0 alone keeps stdout."""
+    size = ranks_of(args)
+    flag = "--pp" if getattr(args, "pp", 1) != 1 else "--tp"
     if launched():
         world = int(os.environ["WORLD_SIZE"])
-        if world != args.tp:
-            raise ConfigError(f"--tp {args.tp} but the launch started {world} processes")
+        if world != size:
+            raise ConfigError(f"{flag} {size} but the launch started {world} processes")
         if int(os.environ["RANK"]) != 0:
             sys.stdout = open(os.devnull, "w")  # kept for the process's lifetime
         return None
     from deltaserve.distributed.launch import cli_command, run_ranks
 
-    check_split(model_dir_of(args), args.tp)
-    return run_ranks(cli_command(argv), args.tp, args.device)
+    model_dir = model_dir_of(args)
+    if flag == "--pp" or getattr(args, "pp_layers", None):
+        check_pp_split(model_dir, args.pp, args.pp_layers)
+    else:
+        check_split(model_dir, size)
+    return run_ranks(cli_command(argv), size, args.device)

@@ -41,9 +41,12 @@ def launch_world_size() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched() else 1
 
 
-def init_group(size: int, device: str) -> tuple[TPGroup, str]:
+def init_group(size: int, device: str, what: str = "tensor_parallel_size"
+               ) -> tuple[TPGroup, str]:
     """Join (or reuse) the default process group of `size` ranks; returns it and this rank's
-    device ("cuda" becomes "cuda:LOCAL_RANK", made current)."""
+    device ("cuda" becomes "cuda:LOCAL_RANK", made current). `what` names the size in errors
+    (pipeline parallelism uses the same group of one rank per stage)."""
+    flag = "--pp" if what.startswith("pipeline") else "--tp"
     dev = torch.device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type not in ("cpu", "cuda"):
@@ -51,18 +54,18 @@ def init_group(size: int, device: str) -> tuple[TPGroup, str]:
     if not dist.is_initialized():
         if not launched():
             raise ConfigError(
-                f"tensor_parallel_size={size} needs {size} processes: start them with "
-                f"`torchrun --nproc-per-node {size} ...` or `deltaserve generate --tp {size}`")
+                f"{what}={size} needs {size} processes: start them with "
+                f"`torchrun --nproc-per-node {size} ...` or `deltaserve generate {flag} {size}`")
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise ConfigError(f"tensor_parallel_size={size} but the launch has {world} processes")
+            raise ConfigError(f"{what}={size} but the launch has {world} processes")
         _check_devices(dev, size)
         if backend == "nccl":  # bind the GPU first: NCCL's communicator belongs to it
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, init_method="env://")
     world = dist.get_world_size()
     if world != size:
-        raise ConfigError(f"tensor_parallel_size={size} but the process group has {world} ranks")
+        raise ConfigError(f"{what}={size} but the process group has {world} ranks")
     got = dist.get_backend()
     if got != backend:
         raise ConfigError(f"the process group runs {got} but device {device} needs {backend}")

@@ -6,11 +6,15 @@ if they fail."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from deltaserve.errors import ConfigError
@@ -56,9 +60,15 @@ def run_ranks(cmd: list[str], size: int, device: str = "cpu", capture: bool = Fa
         env = {**os.environ, **rank_env(rank, size, port, threads)}
         out = (out0 if capture else None) if rank == 0 else subprocess.DEVNULL
         err = None if rank == 0 and not capture else logs[rank]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err))
+        # their own session: a terminal's Ctrl-C reaches the launcher alone, which asks rank 0
+        # to stop (a server then ends the others itself)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err,
+                                      start_new_session=True, preexec_fn=_die_with_parent))
     try:
-        code = _wait(procs, logs)
+        with _forwarded_signals(procs[0]) as caught:
+            code = _wait(procs, logs)
+            if caught:  # a stop asked for: the others end on their own (a server tells them)
+                code = _stopped(procs, logs, 128 + caught[0])
         if not capture:
             return code
         out0.seek(0)
@@ -80,14 +90,63 @@ def _wait(procs: list[subprocess.Popen], logs) -> int:
         failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
         if failed is not None:
             if failed != 0:  # rank 0 printed its own error; another rank's is in its log
-                logs[failed].seek(0)
-                tail = logs[failed].read().decode(errors="replace").strip().splitlines()[-5:]
-                print(f"deltaserve: tensor-parallel rank {failed} failed:\n" + "\n".join(tail),
-                      file=sys.stderr)
+                _report(failed, logs)
             return codes[failed]
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _forwarded_signals(first: subprocess.Popen):
+    """While the ranks run: SIGINT or SIGTERM here sends SIGTERM to rank 0 (a server shuts down
+    gracefully and then stops the others; any other command dies and the others follow); a
+    second signal stops every rank at once. Yields the signals caught."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+
+    def handle(signum, _frame):
+        caught.append(signum)
+        if len(caught) > 1:
+            raise KeyboardInterrupt  # run_ranks's finally kills every rank
+        if first.poll() is None:
+            first.send_signal(signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """In each rank before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _stopped(procs: list[subprocess.Popen], logs, code: int, grace_s: float = 30.0) -> int:
+    """After a forwarded signal: wait for every rank's exit (up to grace_s; then run_ranks kills
+    them), name a rank that did not end cleanly, and return `code` (a stop, not a failure)."""
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for rank, p in enumerate(procs[1:], start=1):
+        if p.poll() not in (None, 0):
+            _report(rank, logs)
+    return code
+
+
+def _report(rank: int, logs) -> None:
+    logs[rank].seek(0)
+    tail = logs[rank].read().decode(errors="replace").strip().splitlines()[-5:]
+    print(f"deltaserve: tensor-parallel rank {rank} failed:\n" + "\n".join(tail),
+          file=sys.stderr)
 
 
 def cli_command(argv: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
-from deltaserve.errors import RequestError
+from deltaserve.errors import ConfigError, RequestError
 from deltaserve.multimodal.config import VISION_MODEL_TYPES
 from deltaserve.multimodal.inputs import ImageLimits
 from deltaserve.spec.config import SpeculativeConfig
@@ -44,16 +44,23 @@ class LLM:
         kv_cache_dtype: str = "auto",
         max_waiting: int = 256,
         tensor_parallel_size: int | None = None,
+        pipeline_parallel_size: int = 1,
+        layer_split: tuple[int, ...] | None = None,
         image_limits: ImageLimits | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         """tensor_parallel_size: ranks sharing the model (every rank runs this same program);
         None = the world size of a torchrun (or `deltaserve --tp`) launch, else 1.
+        pipeline_parallel_size: ranks each holding a contiguous range of layers (distributed/
+        pipeline.py); layer_split: layers per rank, e.g. (10, 14) (default: even). Not combined
+        with tensor parallelism; the prefix cache is off under it (each stage would cache its own
+        bytes, and every rank's scheduler must see the same hits).
         speculative_config: vLLM's dict ({"method": "ngram" | "mtp", "num_speculative_tokens": k,
         "prompt_lookup_max": n, "prompt_lookup_min": m}, plus spec.config's own keys); None = off."""
         speculative = SpeculativeConfig.from_value(speculative_config)
         from deltaserve.checkpoint.default import default_model_dir
         from deltaserve.distributed.group import init_tp
+        from deltaserve.distributed.pipeline import init_pp
 
         env.cache_clear()  # an engine sees the environment as it is when it is built
         threads = env().num_threads
@@ -65,9 +72,18 @@ class LLM:
         self.is_default_model = model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
-        self.tp, device = init_tp(tensor_parallel_size, device)
+        self.pp, device = init_pp(pipeline_parallel_size, device, layer_split,
+                                  tensor_parallel_size)
+        self.tp = None
+        if self.pp is None:
+            self.tp, device = init_tp(tensor_parallel_size, device)
+        else:
+            prefix_cache_bytes = 0
+            if speculative is not None and speculative.method == "mtp":
+                raise ConfigError("speculative method 'mtp' is not supported with pipeline "
+                                   "parallelism (its drafter reads the last stage's hidden states)")
         self.model, self.config, self.raw_config = load_text_model(self.model_dir, dtype, device,
-                                                                   self.tp)
+                                                                   self.tp, self.pp)
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
@@ -297,14 +313,19 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
     num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
                               max_num_batched_tokens, kv_dtype)
+    stage = getattr(llm.model, "pp", None)
+    if stage is not None:  # every rank's scheduler must see the same KV capacity
+        num_blocks = stage.agree_min(num_blocks)
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
     from deltaserve.distributed.group import tag
 
+    stage_tag = stage.plan.tag() if stage is not None else ""
     fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}/"
-                                    f"{kv_dtype}{tag(llm.tp)}")
+                                    f"{kv_dtype}{tag(llm.tp)}{stage_tag}")
     overlap = env().overlap if env().overlap is not None else llm.model.device.type == "cuda"
+    overlap = overlap and stage is None  # a pipeline step is synchronous (send/recv, broadcast)
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
                     EngineConfig(sched, cache, greedy_head, overlap, speculative), fingerprint,
                     llm.model_dir)

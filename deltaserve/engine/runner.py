@@ -66,7 +66,8 @@ class ModelRunner:
         self.model, self.cache, self.greedy_head = model, cache, greedy_head
         self.spec_rollback = "recompute"  # SpeculativeConfig.rollback, for steps with verify chunks
         self.graphs = None
-        if model.device.type == "cuda" and env().cuda_graphs:
+        # pipeline stages decode eagerly: their send/recv/broadcast are not captured in graphs
+        if model.device.type == "cuda" and env().cuda_graphs and getattr(model, "pp", None) is None:
             from deltaserve.engine.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block,

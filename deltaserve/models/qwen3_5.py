@@ -73,6 +73,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self._rotary: Rotary | None = None
 
     tp = None  # distributed.sharded.TPModel on a tensor-parallel shard: vocabulary-parallel ends
+    pp = None  # distributed.pipeline.PPStage on a pipeline stage: a contiguous range of layers
     keep_hidden = False  # forward_batch keeps every row's final-normed hidden in last_hidden
 
     @property
@@ -94,15 +95,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self._rotary
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]."""
+    def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor | None:
+        """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]
+        (None on a pipeline stage before the last: it sends its output on)."""
         seq_len = input_ids.shape[1]
-        x = self._embed(input_ids)
+        x = self._stage_input(input_ids)
         positions = torch.arange(state.position, state.position + seq_len, device=x.device)
         cos_sin = self.rotary().cos_sin(positions, self.act_dtype)
         for idx, layer in enumerate(self.model.layers):
             x = layer(x, idx, state, cos_sin)
         state.position += seq_len
+        if self.pp is not None and not self.pp.is_last:
+            self.pp.send(x)
+            return None
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -111,9 +116,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [B,T,vocab] fp32 if all_logits, else only the last position's [B,vocab]."""
         h = self.hidden_states(input_ids, state)
-        if not all_logits:
-            h = h[:, -1]
-        return self._head(h)
+        if h is not None:
+            h = self._head(h if all_logits else h[:, -1])
+        if self.pp is None:
+            return h
+        rows = tuple(input_ids.shape) if all_logits else tuple(input_ids.shape[:1])
+        return self.pp.share(h, (*rows, self.cfg.vocab_size), torch.float32)
 
     @torch.inference_mode()
     def forward_batch(
@@ -125,24 +133,43 @@ class Qwen3_5ForCausalLM(nn.Module):
         greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised).
         inject (rows [R] int64, embeddings [R,N]): those rows of the step take the given input
         embeddings instead of their token's (image placeholders take the vision tower's output)."""
-        x = self._embed(input_ids[None])
-        if inject is not None:
-            rows, embeds = inject
-            x[0].index_copy_(0, rows, embeds.to(x.dtype))
+        x = self._stage_input(input_ids[None], inject)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
-        layers = self.model.layers
+        layers, pp = self.model.layers, self.pp
+        last_stage = pp is None or pp.is_last
         # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
         # into post_attention_layernorm, the MLP's into the next layer's input norm (the final norm)
         h, residual = layers[0].input_layernorm(x), x
         for idx, layer in enumerate(layers):
             mixed = layer.mix(h, idx, batch, cos_sin)
             h, residual = layer.post_attention_layernorm.add_forward(mixed, residual)
-            after = layers[idx + 1].input_layernorm if idx + 1 < len(layers) else self.model.norm
-            h, residual = after.add_forward(layer.mlp(h), residual)
+            if idx + 1 < len(layers):
+                h, residual = layers[idx + 1].input_layernorm.add_forward(layer.mlp(h), residual)
+            elif last_stage:
+                h, residual = self.model.norm.add_forward(layer.mlp(h), residual)
+            else:  # the residual stream goes on: the next stage's first input norm takes it
+                residual = residual + layer.mlp(h)
+        if not last_stage:  # the last stage's output comes back: [rows] tokens or [rows, V]
+            rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
+            pp.send(residual)
+            return pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
+                            torch.int64 if greedy else torch.float32)
         if self.keep_hidden:  # the MTP drafter reads every row's final-normed hidden (spec/mtp.py)
             self.last_hidden = h[0]
         h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
-        return self._head(h, greedy)
+        out = self._head(h, greedy)
+        return out if pp is None else pp.share(out, tuple(out.shape), out.dtype)
+
+    def _stage_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
+        """ids [B,T] -> the first layer's input [B,T,N]: the embeddings (image rows injected), or
+        on a later pipeline stage the residual stream the stage before sent."""
+        if self.pp is not None and not self.pp.is_first:
+            return self.pp.recv((*ids.shape, self.cfg.hidden_size), self.act_dtype)
+        x = self._embed(ids)
+        if inject is not None:
+            rows, embeds = inject
+            x[0].index_copy_(0, rows, embeds.to(x.dtype))
+        return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B,T] -> input embeddings [B,T,N] in the activation dtype."""

@@ -32,10 +32,11 @@ _ids = itertools.count()
 
 def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
               max_body_bytes: int = 4 << 20, *, load=None, idle_unload_s: float | None = None,
-              on_first_load_failed=None) -> FastAPI:
+              on_first_load_failed=None, mirror=None) -> FastAPI:
     """The app on a loaded `llm`, or on `load()` run in the background once the server is up
-    (then idle unload and reload are possible: `idle_unload_s`, None = never)."""
-    host = ModelHost(load, llm, idle_unload_s, on_first_load_failed)
+    (then idle unload and reload are possible: `idle_unload_s`, None = never). mirror: the
+    other ranks' command channel under `serve --tp` (distributed/serve.py)."""
+    host = ModelHost(load, llm, idle_unload_s, on_first_load_failed, mirror)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -143,7 +144,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         head = _echo_text(prompt, ids, llm) if echo else ""
         head_lp = None
         if echo and num_lp is not None:
-            head_lp = await driver.call(lambda: lp.completion_logprobs(llm, ids, 0, num_lp))
+            head_lp = await driver.call_every_rank(lp.completion_logprobs, llm, ids, 0, num_lp)
         if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
             if not echo:
                 raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",

@@ -66,11 +66,15 @@ class Counters:
 
 
 class EngineDriver:
-    def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None) -> None:
-        self.engine, self.idle_wait_s = engine, idle_wait_s
+    def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None,
+                 mirror=None) -> None:
+        """mirror: distributed.serve.Mirror under `serve --tp`: every batch of commands this
+        loop applies goes to the other ranks first (they step whenever this loop steps)."""
+        self.engine, self.idle_wait_s, self.mirror = engine, idle_wait_s, mirror
         self.counters = counters or Counters()
         self.error: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._unsent: list = []  # commands taken off the queue, not yet sent to the other ranks
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # request -> [admitted, last token, first token] at (monotonic s)
         self._times: dict[str, list[float]] = {}
@@ -118,7 +122,19 @@ class EngineDriver:
         future = asyncio.get_running_loop().create_future()
         if not self.alive:
             raise EngineDead(self.error or "the engine loop has stopped")
-        self._cmds.put(("call", fn, asyncio.get_running_loop(), future))
+        self._cmds.put(("call", fn, asyncio.get_running_loop(), future, None))
+        self._wake.set()
+        return await future
+
+    async def call_every_rank(self, fn, llm, *args):
+        """fn(llm, *args) on the engine thread, and under `serve --tp` on every rank with its own
+        llm (for work that runs the model's collectives, e.g. teacher-forced logprobs); fn must
+        be a module-level function. This rank's result (or exception) comes back."""
+        future = asyncio.get_running_loop().create_future()
+        if not self.alive:
+            raise EngineDead(self.error or "the engine loop has stopped")
+        self._cmds.put(("call", lambda: fn(llm, *args), asyncio.get_running_loop(), future,
+                        (fn, args)))
         self._wake.set()
         return await future
 
@@ -130,15 +146,24 @@ class EngineDriver:
     # ---- the engine thread ----
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # the other ranks of `serve --tp` end with this loop
+            if self.mirror is not None:
+                self.mirror.close(self.error)
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain()
-            if not self.engine.has_work:
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
-                continue
             try:
+                self._drain()
+                if not self.engine.has_work:
+                    if self.mirror is not None:
+                        self.mirror.idle()
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
                 events = self.engine.step()
-            except Exception as exc:  # the engine is in an unknown state: fail everything open
+            except Exception as exc:  # the engine (or the rank group) is in an unknown state
                 self.error = f"{type(exc).__name__}: {exc}"
                 self._fail_all()
                 return
@@ -160,7 +185,7 @@ class EngineDriver:
         for rid in list(self._streams):
             self._send(rid, dead)
         self._streams.clear()
-        for cmd in self._queued():
+        for cmd in [*self._unsent, *self._queued()]:
             if cmd[0] == "add":
                 cmd[4].call_soon_threadsafe(cmd[5].put_nowait, dead)
             elif cmd[0] == "call":
@@ -175,7 +200,15 @@ class EngineDriver:
                 return
 
     def _drain(self) -> None:
-        for cmd in self._queued():
+        cmds = list(self._queued())
+        if self.mirror is not None and (cmds or self.engine.has_work):
+            # before applying: a call every rank makes runs collectives the others must join
+            from deltaserve.distributed.serve import wire
+
+            self._unsent = cmds  # a failed broadcast leaves them for _fail_all to answer
+            self.mirror.publish([w for w in map(wire, cmds) if w is not None])
+            self._unsent = []
+        for cmd in cmds:
             if cmd[0] == "add":
                 _, rid, ids, params, loop, events, images = cmd
                 self._streams[rid] = (loop, events)
@@ -189,7 +222,7 @@ class EngineDriver:
                 self._times[rid] = [time.monotonic(), 0.0, 0.0]
                 self._send(rid, ADMITTED)
             elif cmd[0] == "call":
-                _, fn, loop, future = cmd
+                _, fn, loop, future, _ = cmd
                 try:
                     result, error = fn(), None
                 except Exception as exc:  # handed to the caller, the loop goes on

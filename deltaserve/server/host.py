@@ -23,11 +23,13 @@ LOADING, READY, UNLOADED, FAILED = "loading", "ready", "unloaded", "failed"
 class ModelHost:
     def __init__(self, load: Callable[[], object] | None = None, llm=None,
                  idle_unload_s: float | None = None,
-                 on_first_load_failed: Callable[[str], None] | None = None) -> None:
+                 on_first_load_failed: Callable[[str], None] | None = None,
+                 mirror=None) -> None:
+        """mirror: the command channel to the other ranks under `serve --tp` (bridge.py)."""
         if (load is None) == (llm is None):
             raise ValueError("ModelHost needs a loader or a loaded LLM, not both")
         self._loader, self.idle_unload_s = load, idle_unload_s
-        self._on_first_load_failed = on_first_load_failed
+        self._on_first_load_failed, self.mirror = on_first_load_failed, mirror
         self.counters = Counters()  # one set across reloads: /metrics counts stay monotonic
         self.llm, self.driver = llm, None
         self.state = UNLOADED if llm is None else READY
@@ -96,7 +98,7 @@ class ModelHost:
     def _install(self, llm) -> None:
         self.llm, self.max_model_len = llm, llm.max_model_len
         self.input_modalities = _modalities(llm)
-        self.driver = EngineDriver(llm.engine, counters=self.counters)
+        self.driver = EngineDriver(llm.engine, counters=self.counters, mirror=self.mirror)
         self.driver.start()
         self.state, self.error = READY, None
 

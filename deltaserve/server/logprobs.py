@@ -1,6 +1,7 @@
 """Token log-probabilities as the OpenAI API returns them: the prompt's by teacher forcing (`echo`
 with prompt logprobs: what lm-evaluation-harness's loglikelihood requests read; runs on the
-engine thread through bridge.call), the generated tokens' from the engine's own step values."""
+engine thread through bridge.call_every_rank: under `serve --tp` every rank runs the forward and
+the vocabulary-parallel head), the generated tokens' from the engine's own step values."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def score(llm, ids: list[int], top_k: int) -> tuple[list[float | None], list[dic
     for lo in range(0, len(ids) - 1, ROWS_PER_HEAD_CALL):
         hi = min(lo + ROWS_PER_HEAD_CALL, len(ids) - 1)  # row i predicts token i+1
         h = hidden[lo:hi]
-        logits = (quant_linear(h, head) if is_quantized(head) else linear(h, head.weight))
+        if model.tp is not None:  # vocabulary-parallel head: every rank's rows, gathered
+            logits = model.tp.logits(h, head)
+        else:
+            logits = quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)
         logp = torch.log_softmax(logits.float(), dim=-1)
         nxt = torch.tensor(ids[lo + 1 : hi + 1], device=logp.device)
         token_lps.extend(logp.gather(1, nxt[:, None])[:, 0].tolist())

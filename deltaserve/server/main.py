@@ -1,10 +1,12 @@
 """`deltaserve serve`: check the model folder, open the port, load the model in the background
 (/health answers 503 until it is ready), unload it after --idle-unload-min idle minutes and reload it
-on the next request; graceful shutdown on SIGINT / SIGTERM (in-flight requests finish first)."""
+on the next request; graceful shutdown on SIGINT / SIGTERM (in-flight requests finish first).
+Under --tp N rank 0 serves HTTP and the other ranks follow its engine (distributed/serve.py)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from deltaserve.errors import ConfigError
@@ -33,20 +35,39 @@ def run_serve(args: argparse.Namespace) -> int:
 
     spec = from_cli(args.speculative, args.num_speculative_tokens, args.speculative_config)
     failed: list[str] = []
+    mirror = _join_ranks(args)
 
-    def load():
+    def build(path):
         from deltaserve.engine.llm import LLM
 
+        return LLM(path, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue,
+                   image_limits=limits, speculative_config=spec)  # TP: the launch's size (== --tp)
+
+    if mirror is not None and not mirror.is_first:
+        from deltaserve.distributed.serve import follow
+
+        return follow(mirror, build)
+    if mirror is not None and idle_s:  # a reload would have to be every rank's, together
+        _log("--idle-unload-min is off under --tp: the model stays loaded")
+        idle_s = None
+
+    def load():
         path = model_dir
-        if args.quant:
+        if args.quant:  # rank 0 alone converts; the others load the copy
             from deltaserve.quant.cached import quantized_copy
 
             path = quantized_copy(model_dir, args.quant, log=_log)
-        _log(f"loading {path} ({args.dtype}, {args.device})")
-        llm = LLM(path, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue,
-                  image_limits=limits, speculative_config=spec)
+        _log(f"loading {path} ({args.dtype}, {args.device}"
+             f"{f', {args.tp} ranks' if mirror else ''})")
+        if mirror is None:
+            llm = build(path)
+        else:
+            from deltaserve.distributed.serve import loaded
+
+            mirror.publish([("load", str(path))])
+            llm = loaded(mirror, lambda: build(path))
         _log(f"{name} ready in {llm.load_s:.1f} s (max_model_len {llm.max_model_len})")
         return llm
 
@@ -57,14 +78,44 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(served_name=name, api_key=args.api_key, load=load, idle_unload_s=idle_s,
                     on_first_load_failed=first_load_failed,
-                    max_body_bytes=int(args.max_body_mb * 2**20))
+                    max_body_bytes=int(args.max_body_mb * 2**20), mirror=mirror)
     _log(f"{name} on http://{args.host}:{args.port}/v1 (loading; /health is 200 once ready"
          f"{'; API key required' if args.api_key else ''}"
          f"{f'; unloads after {args.idle_unload_min:g} idle min' if idle_s else ''})")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=30))
-    server.run()
+
+    def group_ended(error: str | None) -> None:  # an engine failure breaks the ranks' group
+        if error is not None:
+            failed.append(error)
+            _log(f"error: the tensor-parallel engine stopped: {error}")
+            server.should_exit = True
+
+    if mirror is not None:
+        mirror.on_close = group_ended
+    try:
+        server.run()
+    finally:
+        if mirror is not None:  # the load failed, or the engine loop never ended: free the others
+            mirror.close()
     return 1 if failed else 0
+
+
+def _join_ranks(args: argparse.Namespace):
+    """Under --tp N (our launcher or torchrun): the process group and its command channel, on
+    every rank before anything loads; None for a single process."""
+    from deltaserve.distributed.group import launched
+
+    world = int(os.environ["WORLD_SIZE"]) if launched() else 1
+    if world != args.tp:
+        raise ConfigError(f"serve --tp {args.tp} but the launch started {world} processes")
+    if args.tp == 1:
+        return None
+    from deltaserve.distributed.group import init_group
+    from deltaserve.distributed.serve import Mirror
+
+    group, _ = init_group(args.tp, args.device)
+    return Mirror(group.rank, group.world_size)
 
 
 def image_limits(args: argparse.Namespace):

@@ -1,7 +1,12 @@
 """2x H200: tensor parallelism TP=2 against TP=1 on the 2B shape (bf16) and the 27B shape (int4),
-speed and quality in one JSON.
+speed and quality in one JSON; with --pp, pipeline parallelism PP=2 (layer split) beside them.
 
-    DELTASERVE_GIT_COMMIT=<sha> python3 scripts/gpu/tp_bench.py --out $OUT/tp_bench.json
+    DELTASERVE_GIT_COMMIT=<sha> python3 scripts/gpu/tp_bench.py --out $OUT/tp_bench.json --pp
+    python3 scripts/gpu/tp_bench.py --out /tmp/t.json --models tiny --device cpu --pp  # smoke
+
+PP=2 (--pp-layers for an uneven split, default even): each rank runs its layers while the other
+waits (no micro-batches) and decodes eagerly (no CUDA graphs under PP), so it is expected to trail
+TP=1 by the hand-offs (hidden states [T, N] one way, the step's logits broadcast back).
 
 Per model and TP size (each a fresh launch: 1 process, or 2 NCCL ranks, one GPU each): decode
 tok/s at batch 1 and 32 (16-token random prompts, EOS ignored, CUDA graphs), prefill tok/s at 2k
@@ -102,31 +107,48 @@ def _decode(llm, batch: int, tokens: int, gen: torch.Generator) -> float:
     return produced / dt
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _prefill(llm, n: int, gen: torch.Generator) -> float:
     from deltaserve import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     times = []
     for _ in range(4):  # the first is the warm-up
-        ids = torch.randint(0, 248044, (n,), generator=gen).tolist()
-        torch.cuda.synchronize()
+        ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
+        _sync()
         t0 = time.perf_counter()
         llm.generate([ids], one)
         times.append(time.perf_counter() - t0)
     return n / statistics.median(times[1:])
 
 
-def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str) -> None:
+def _parallel(tp: int, pp: int, opts: dict) -> dict:
+    """LLM's arguments for TP=tp or (tp == 1) PP=pp with the options' layer split."""
+    if pp == 1:
+        return {"tensor_parallel_size": tp}
+    return {"tensor_parallel_size": 1, "pipeline_parallel_size": pp,
+            "layer_split": opts.get("pp_layers")}
+
+
+def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str, pp: int = 1) -> None:
     """One launch (every rank runs it; rank 0 writes the numbers)."""
     from deltaserve import LLM, SamplingParams
     from deltaserve.distributed.comm import Compression
     from deltaserve.distributed.gate import compression_gate
 
     t0 = time.perf_counter()
-    llm = LLM(model_dir, dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
-              prefix_cache_bytes=0, max_num_seqs=max(opts["batches"]),
-              max_num_batched_tokens=max(opts["prefill"]))
-    rec: dict = {"tp": tp, "load_s": round(time.perf_counter() - t0, 1)}
+    device = opts.get("device", "cuda")
+    llm = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0,
+              max_num_seqs=max(opts["batches"]), max_num_batched_tokens=max(opts["prefill"]),
+              **_parallel(tp, pp, opts))
+    rec: dict = {"tp": tp, "pp": pp, "load_s": round(time.perf_counter() - t0, 1)}
+    if llm.model.pp is not None:
+        plan = llm.model.pp.plan
+        rec["layer_split"] = list(plan.layer_split)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 248044, (32,), generator=gen).tolist()
                for _ in range(GREEDY_PROMPTS)]
@@ -137,7 +159,10 @@ def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str) -> None:
         rec[f"batch_{b}_decode_tok_s"] = round(_decode(llm, b, opts["decode_tokens"], gen), 1)
     for n in opts["prefill"]:
         rec[f"prefill_{n}_tok_s"] = round(_prefill(llm, n, gen), 1)
-    rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if device != "cpu":
+        rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if llm.model.pp is not None:
+        rec["pp_sent_gib_rank0"] = round(llm.model.pp.sent_bytes / 2**30, 3)
     if tp > 1:
         rec["counters_exact"] = llm.model.tp.comm.report()
         if opts["gate_prompts"]:
@@ -147,7 +172,8 @@ def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str) -> None:
         Path(path).write_text(json.dumps(rec))
 
 
-def parity(rank: int, model_dir: str, tp: int, path: str) -> None:
+def parity(rank: int, model_dir: str, tp: int, path: str, pp: int = 1,
+           opts: dict | None = None) -> None:
     """FP32 (TF32 off) logits of every position of a 64-token prompt and 32 greedy tokens: the
     bf16 comparison says little on random weights, whose near-flat logits let rounding flip the
     argmax; FP32 shows whether TP=2 computes the same function."""
@@ -155,8 +181,9 @@ def parity(rank: int, model_dir: str, tp: int, path: str) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    llm = LLM(model_dir, dtype="float32", device="cuda", tensor_parallel_size=tp,
-              prefix_cache_bytes=0, max_num_seqs=4)
+    opts = opts or {}
+    llm = LLM(model_dir, dtype="float32", device=opts.get("device", "cuda"), prefix_cache_bytes=0,
+              max_num_seqs=4, **_parallel(tp, pp, opts))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 248044, (1, 64), generator=gen)
     logits = llm.model(ids.to(llm.model.device), llm.model.new_state(1), all_logits=True)
@@ -192,7 +219,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="2b,27b", help="2b (bf16) and/or 27b (int4)")
+    ap.add_argument("--models", default="2b,27b",
+                    help="2b (bf16) and/or 27b (int4); tiny / 0.8b for a CPU smoke run")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -201,32 +229,28 @@ def main() -> None:
     ap.add_argument("--parity", action="store_true", help="2b: FP32 TP=2 vs TP=1 logits too")
     ap.add_argument("--profile", action="store_true", help="attribute a 2k prefill per TP size")
     ap.add_argument("--skip-speed", action="store_true", help="only parity / profile")
+    ap.add_argument("--pp", action="store_true", help="also PP=2 (layer split) beside TP=1/2")
+    ap.add_argument("--pp-layers", default=None, help="PP=2 layers per rank, e.g. 10,14")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (gloo)")
     args = ap.parse_args()
+    from deltaserve.distributed.pipeline import parse_split
+
     work = Path(args.work or tempfile.mkdtemp(prefix="tp_bench-"))
     opts = {"batches": [int(b) for b in args.batches.split(",")], "decode_tokens":
             args.decode_tokens, "prefill": [int(n) for n in args.prefill.split(",")],
-            "gate_prompts": args.gate_prompts}
+            "gate_prompts": args.gate_prompts, "pp_layers": parse_split(args.pp_layers),
+            "device": args.device}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     record = {"kind": "tp-bench", "git_commit": git_commit(), "flags": flags(),
-              "device": device_info("cuda"), "gpus": [torch.cuda.get_device_name(i) for i in
-                                                       range(torch.cuda.device_count())],
-              "workload": opts, "models": {}}
+              "device": device_info(args.device), "gpus": gpus, "workload": opts, "models": {}}
     for name in args.models.split(","):
         t0 = time.perf_counter()
         model_dir = _checkpoint(name, work)
         runs = {"checkpoint_s": round(time.perf_counter() - t0, 1)}
-        for tp in () if args.skip_speed else (1, 2):
-            path = work / f"{name}-tp{tp}.json"
-            t0 = time.perf_counter()
-            spawn(measure, tp, str(model_dir), tp, opts, str(path), device="cuda")
-            runs[f"tp{tp}"] = {**json.loads(path.read_text()),
-                               "wall_s": round(time.perf_counter() - t0, 1)}
-            print(name, f"tp{tp}", {k: v for k, v in runs[f"tp{tp}"].items()
-                                    if k.endswith(("tok_s", "_s", "gib"))}, flush=True)
         if not args.skip_speed:
-            runs["greedy_tp2_vs_tp1"] = _agreement(runs["tp2"]["greedy"], runs["tp1"]["greedy"])
-            print(name, runs["greedy_tp2_vs_tp1"], flush=True)
-        if args.parity and name == "2b":
-            runs["fp32_parity"] = _fp32_parity(model_dir, work)
+            _speed(name, model_dir, work, opts, runs, args.pp)
+        if args.parity and name in ("2b", "tiny", "0.8b"):
+            runs["fp32_parity"] = _fp32_parity(model_dir, work, opts, args.pp)
             print(name, "fp32", runs["fp32_parity"], flush=True)
         if args.profile:
             for tp in (1, 2):
@@ -237,14 +261,36 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(record, indent=1))
 
 
-def _fp32_parity(model_dir: Path, work: Path) -> dict:
+def _speed(name: str, model_dir: Path, work: Path, opts: dict, runs: dict, pp: bool) -> None:
+    """TP=1, TP=2 (and PP=2) each in a fresh launch; greedy agreement with TP=1."""
+    layouts = [("tp1", 1, 1), ("tp2", 2, 1)] + ([("pp2", 1, 2)] if pp else [])
+    for label, tp, stages in layouts:
+        path = work / f"{name}-{label}.json"
+        t0 = time.perf_counter()
+        spawn(measure, tp * stages, str(model_dir), tp, opts, str(path), stages,
+              device=opts["device"])
+        runs[label] = {**json.loads(path.read_text()), "wall_s": round(time.perf_counter() - t0, 1)}
+        print(name, label, {k: v for k, v in runs[label].items()
+                            if k.endswith(("tok_s", "_s", "gib"))}, flush=True)
+    for label, _, _ in layouts[1:]:
+        runs[f"greedy_{label}_vs_tp1"] = _agreement(runs[label]["greedy"], runs["tp1"]["greedy"])
+        print(name, label, runs[f"greedy_{label}_vs_tp1"], flush=True)
+
+
+def _fp32_parity(model_dir: Path, work: Path, opts: dict, pp: bool) -> dict:
+    """TP=2 (and PP=2) against TP=1: FP32 logits rel-L2 and greedy agreement."""
     out = {}
-    for tp in (1, 2):
-        spawn(parity, tp, str(model_dir), tp, str(work / f"parity-tp{tp}.pt"), device="cuda")
-        out[tp] = torch.load(work / f"parity-tp{tp}.pt")
-    a, b = out[2]["logits"].double(), out[1]["logits"].double()
-    return {"logits_rel_l2": float((a - b).norm() / b.norm()),
-            **_agreement([out[2]["greedy"]], [out[1]["greedy"]])}
+    for label, tp, stages in [("tp1", 1, 1), ("tp2", 2, 1)] + ([("pp2", 1, 2)] if pp else []):
+        path = work / f"parity-{label}.pt"
+        spawn(parity, tp * stages, str(model_dir), tp, str(path), stages, opts,
+              device=opts["device"])
+        out[label] = torch.load(path)
+    rec = {}
+    for label in [k for k in out if k != "tp1"]:
+        a, b = out[label]["logits"].double(), out["tp1"]["logits"].double()
+        rec[label] = {"logits_rel_l2": float((a - b).norm() / b.norm()),
+                      **_agreement([out[label]["greedy"]], [out["tp1"]["greedy"]])}
+    return rec if pp else rec["tp2"]  # without PP: the record's earlier shape
 
 
 def _checkpoint(name: str, work: Path) -> Path:
@@ -259,7 +305,10 @@ def _checkpoint(name: str, work: Path) -> Path:
         return out
     if name == "27b":
         return write_int4("qwen3.5-27b", out)
-    raise SystemExit(f"unknown model {name} (2b, 27b)")
+    if name in ("tiny", "0.8b"):  # CPU smoke runs of this script
+        write_checkpoint(preset("tiny" if name == "tiny" else "qwen3.5-0.8b"), out, seed=0)
+        return out
+    raise SystemExit(f"unknown model {name} (2b, 27b, tiny, 0.8b)")
 
 
 if __name__ == "__main__":

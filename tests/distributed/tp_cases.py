@@ -16,12 +16,14 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False) -> dict:
-    """Logits and tokens of both paths, fp32 on CPU."""
+def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False, pp_size: int = 1,
+             layer_split: tuple[int, ...] | None = None) -> dict:
+    """Logits and tokens of both paths, fp32 on CPU (as pipeline stages with pp_size > 1)."""
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp_size, max_num_seqs=4,
-              max_num_batched_tokens=64, prefix_cache_bytes=0, greedy_head=greedy_head)
+              max_num_batched_tokens=64, prefix_cache_bytes=0, greedy_head=greedy_head,
+              pipeline_parallel_size=pp_size, layer_split=layer_split)
     model, out = llm.model, {}
     if not greedy_head:
         ids = torch.tensor([prompt_ids(40, 1), prompt_ids(40, 2)])
@@ -45,6 +47,8 @@ def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False) -> dict:
     out["engine"] = recorded
     if llm.tp is not None:
         out["counters"] = model.tp.comm.report()
+    if model.pp is not None:
+        out["stage"] = (model.pp.plan.start, model.pp.plan.stop, len(model.model.layers))
     return out
 
 
@@ -53,6 +57,14 @@ def tp_worker(rank: int, cases: list[tuple[str, bool]], tp_size: int, result_pat
     out = [run_case(Path(model_dir), tp_size, greedy) for model_dir, greedy in cases]
     if rank == 0:
         torch.save(out, result_path)
+
+
+def pp_worker(rank: int, cases: list[tuple[str, bool, tuple[int, ...] | None]],
+              result_path: str) -> None:
+    """One of 2 pipeline ranks over cases (model dir, greedy head, layer split or None = even);
+    every rank saves its results (all must see the same logits: the last stage broadcasts)."""
+    out = [run_case(Path(model_dir), 1, greedy, 2, split) for model_dir, greedy, split in cases]
+    torch.save(out, f"{result_path}.{rank}")
 
 
 def reference(cases: list[tuple[str, bool]], threads: int = 1) -> list[dict]:
