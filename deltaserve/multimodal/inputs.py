@@ -14,6 +14,7 @@ image reuses the first turn's state.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +96,13 @@ class ImagePrompts:
     (prompt ids, ImageInputs), the tower run on the model's device."""
 
     def __init__(self, vision_model, tokenizer, image_token_id: int, act_dtype: torch.dtype,
-                 limits: ImageLimits = ImageLimits()) -> None:
+                 limits: ImageLimits = ImageLimits(), cache_bytes: int = 64 << 20) -> None:
         self.vision, self.tokenizer, self.limits = vision_model, tokenizer, limits
         self.image_token_id, self.act_dtype = image_token_id, act_dtype
+        # image key -> its embeddings [tokens, N]: a chat re-sends earlier images every turn, and
+        # the tower (2.3 s per 448² image on 2 CPU cores) need not run for them again
+        self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.cache_bytes, self.cached_bytes, self.num_tower_images = cache_bytes, 0, 0
         if tokenizer.token_id(IMAGE_PAD) != image_token_id:
             raise ConfigError(f"the tokenizer maps {IMAGE_PAD} to {tokenizer.token_id(IMAGE_PAD)}"
                                f" but config.json's image_token_id is {image_token_id}")
@@ -136,10 +141,10 @@ class ImagePrompts:
     def inputs(self, ids: list[int], processed: Sequence[ProcessedImage]) -> ImageInputs:
         """The tower's embeddings for expand's ids, with the content-keyed cache ids."""
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        embeds = self.embed(processed)
+        keys = [image_key(image) for image in processed]
+        embeds = self.embed(processed, keys)
         key_ids, start = list(ids), 0
-        for image in processed:
-            key = image_key(image)
+        for image, key in zip(processed, keys, strict=True):
             for pos in positions[start : start + image.total_tokens]:
                 key_ids[pos] = key
             start += image.total_tokens
@@ -157,13 +162,40 @@ class ImagePrompts:
         return ids, self.inputs(ids, processed)
 
     @torch.inference_mode()
-    def embed(self, processed: Sequence[ProcessedImage]) -> torch.Tensor:
-        """The tower + projector on all images at once -> [visual tokens, N] (activation dtype)."""
-        pixel_values, grid_hw = pack_images(processed)
-        param = next(self.vision.parameters())
-        features = self.vision(pixel_values.to(param.device, param.dtype), grid_hw,
-                               processed[0].mode)
-        return features.to(self.act_dtype)
+    def embed(self, processed: Sequence[ProcessedImage], keys: Sequence[int] | None = None
+              ) -> torch.Tensor:
+        """[visual tokens, N] (activation dtype) for the images in order: cached ones by key,
+        the others through the tower + projector in one packed call."""
+        keys = [image_key(p) for p in processed] if keys is None else list(keys)
+        missing = {k: p for k, p in zip(keys, processed, strict=True) if k not in self.cache}
+        if missing:
+            images = list(missing.values())
+            pixel_values, grid_hw = pack_images(images)
+            param = next(self.vision.parameters())
+            features = self.vision(pixel_values.to(param.device, param.dtype), grid_hw,
+                                   images[0].mode).to(self.act_dtype)
+            self.num_tower_images += len(images)
+            rows = features.split([p.total_tokens for p in images])
+            fresh = dict(zip(missing, rows, strict=True))
+        else:
+            fresh = {}
+        out = torch.cat([fresh[k] if k in fresh else self.cache[k] for k in keys])
+        for key in keys:  # every image of this request becomes the most recently used
+            self._remember(key, fresh.get(key))
+        return out
+
+    def _remember(self, key: int, rows: torch.Tensor | None) -> None:
+        if rows is None:
+            self.cache.move_to_end(key)
+            return
+        nbytes = rows.numel() * rows.element_size()
+        if nbytes > self.cache_bytes or key in self.cache:
+            return
+        self.cache[key] = rows.clone()  # not a view of this request's whole feature tensor
+        self.cached_bytes += nbytes
+        while self.cached_bytes > self.cache_bytes:
+            _, old = self.cache.popitem(last=False)
+            self.cached_bytes -= old.numel() * old.element_size()
 
 
 def message_images(messages: list[dict[str, Any]]) -> list[ImageSource]:

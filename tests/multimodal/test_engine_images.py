@@ -171,3 +171,32 @@ def test_bad_image_requests_are_refused_before_running(llm, tiny_llm, tmp_path) 
     with pytest.raises(RequestError, match="context limit"):
         small.generate(chat(small, one))
     assert not llm.engine.scheduler.has_work  # nothing was admitted
+
+
+def test_tower_outputs_are_reused_by_image_content(llm) -> None:
+    """A chat re-sends its earlier images every turn: the tower runs once per distinct image
+    (by content), and the answers are the same as when it ran."""
+    images = llm.images
+    first, second = picture(300, 500, seed=9), picture(300, 500, seed=10)
+    ask = [{"type": "image", "image": first}, {"type": "text", "text": "Describe."}]
+    before = images.num_tower_images
+    out = llm.generate(chat(llm, ask), GREEDY)[0]
+    assert images.num_tower_images == before + 1
+    again = llm.generate(chat(llm, ask), GREEDY)[0]
+    assert images.num_tower_images == before + 1  # same pixels: no tower run
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    history = [{"role": "user", "content": ask},
+               {"role": "assistant", "content": out.outputs[0].text}]
+    llm.generate(chat(llm, [{"type": "image", "image": second},
+                            {"type": "text", "text": "And this?"}], history), GREEDY)
+    assert images.num_tower_images == before + 2  # only the new image went through the tower
+    budget = images.cache_bytes
+    images.cache_bytes = 1  # nothing fits: every request runs the tower again
+    try:
+        llm.generate(chat(llm, [{"type": "image", "image": picture(200, 200, seed=11)},
+                                {"type": "text", "text": "?"}]), GREEDY)
+        llm.generate(chat(llm, [{"type": "image", "image": picture(200, 200, seed=11)},
+                                {"type": "text", "text": "?"}]), GREEDY)
+        assert images.num_tower_images == before + 4
+    finally:
+        images.cache_bytes = budget
