@@ -10,10 +10,6 @@ not cover the layers are refused before anything starts.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,7 +21,7 @@ from deltaserve.distributed.launch import spawn
 from deltaserve.distributed.pipeline import PPLaunch, PPPlan, even_split, parse_split
 from deltaserve.errors import ConfigError
 from tests.distributed.test_tp import assert_same
-from tests.distributed.tp_cases import pp_worker, reference
+from tests.distributed.tp_cases import assert_cli_generate_equals_one_process, pp_worker, reference
 
 
 def test_pp2_equals_pp1_on_tiny(tiny_dir, tmp_path) -> None:
@@ -110,17 +106,5 @@ def test_cli_refuses_bad_splits_before_any_process(tiny_dir, flags, message, cap
 
 
 def test_cli_generate_pp2_on_cpu_equals_pp1(tiny_dir, tiny_llm) -> None:
-    """`deltaserve generate --pp 2 --device cpu` starts its own 2 ranks; rank 0 alone prints."""
-    from deltaserve import SamplingParams
-
-    prompt = "The capital of France is"
-    cmd = [sys.executable, "-m", "deltaserve", "generate", "--model", str(tiny_dir), "--prompt",
-           prompt, "--max-tokens", "8", "--temperature", "0", "--json", "--dtype", "float32",
-           "--device", "cpu", "--pp", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1  # one JSON object: the other rank's stdout is dropped
-    one = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
-    assert json.loads(lines[0])["token_ids"] == one.outputs[0].token_ids
-    assert len(one.outputs[0].token_ids) == 8
+    """`deltaserve generate --pp 2 --device cpu` equals one process."""
+    assert_cli_generate_equals_one_process(tiny_dir, tiny_llm, "--pp")

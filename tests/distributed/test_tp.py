@@ -8,7 +8,6 @@ checkpoint; a model that does not split says so before starting anything.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -21,7 +20,12 @@ from deltaserve.distributed.group import TPGroup
 from deltaserve.distributed.launch import spawn
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.validate.compare import rel_l2
-from tests.distributed.tp_cases import reference, tp_worker, write_08b_shape
+from tests.distributed.tp_cases import (
+    assert_cli_generate_equals_one_process,
+    reference,
+    tp_worker,
+    write_08b_shape,
+)
 
 TOLERANCE = 1e-5
 
@@ -118,17 +122,5 @@ def test_quant_groups_that_do_not_split_are_refused(tiny_dir, tmp_path) -> None:
 
 
 def test_cli_generate_tp2_on_cpu_equals_tp1(tiny_dir, tiny_llm) -> None:
-    """`deltaserve generate --tp 2 --device cpu` starts its own 2 ranks; rank 0 alone prints."""
-    from deltaserve import SamplingParams
-
-    prompt = "The capital of France is"
-    cmd = [sys.executable, "-m", "deltaserve", "generate", "--model", str(tiny_dir), "--prompt",
-           prompt, "--max-tokens", "8", "--temperature", "0", "--json", "--dtype", "float32",
-           "--device", "cpu", "--tp", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1  # one JSON object: the other rank's stdout is dropped
-    one = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
-    assert json.loads(lines[0])["token_ids"] == one.outputs[0].token_ids
-    assert len(one.outputs[0].token_ids) == 8
+    """`deltaserve generate --tp 2 --device cpu` equals one process."""
+    assert_cli_generate_equals_one_process(tiny_dir, tiny_llm, "--tp")

@@ -123,3 +123,25 @@ def compress_worker(rank: int, model_dir: str, result_path: str) -> None:
     out["gate"] = compression_gate(llm, Compression("fp16"), max_prompts=1)
     if rank == 0:
         torch.save(out, result_path)
+
+
+def assert_cli_generate_equals_one_process(tiny_dir: Path, tiny_llm, flag: str) -> None:
+    """`deltaserve generate FLAG 2 --device cpu` starts its own 2 ranks; rank 0 alone prints the
+    same tokens as one process."""
+    import json
+    import subprocess
+    import sys
+
+    from deltaserve import SamplingParams
+
+    prompt = "The capital of France is"
+    cmd = [sys.executable, "-m", "deltaserve", "generate", "--model", str(tiny_dir), "--prompt",
+           prompt, "--max-tokens", "8", "--temperature", "0", "--json", "--dtype", "float32",
+           "--device", "cpu", flag, "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1  # one JSON object: the other rank's stdout is dropped
+    one = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert json.loads(lines[0])["token_ids"] == one.outputs[0].token_ids
+    assert len(one.outputs[0].token_ids) == 8

@@ -40,7 +40,9 @@ def capture(engine) -> dict[str, list[torch.Tensor]]:
     return seen
 
 
-def run_all(engine, prompts: dict[str, list[int]], params=GREEDY, max_steps=2000):
+def run_all(engine, prompts: dict[str, list[int]], params=GREEDY, max_steps=2000,
+            after_step=None):
+    """Every prompt to completion; after_step(engine) runs after each step (state probes)."""
     tokens = defaultdict(list, {rid: [] for rid in prompts})
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
@@ -49,6 +51,8 @@ def run_all(engine, prompts: dict[str, list[int]], params=GREEDY, max_steps=2000
             break
         for ev in engine.step():
             tokens[ev.request_id].extend(ev.token_ids)
+        if after_step is not None:
+            after_step(engine)
     assert not engine.has_work
     return dict(tokens)
 

@@ -25,22 +25,6 @@ def make_engine(llm, spec=None, num_slots=4, num_blocks=96, block_len=16, prefix
                   llm.model_dir)
 
 
-def run_all(engine, prompts: dict[str, list[int]], params: SamplingParams, max_steps=2000,
-            after_step=None) -> dict[str, list[int]]:
-    tokens = {rid: [] for rid in prompts}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        for ev in engine.step():
-            tokens[ev.request_id].extend(ev.token_ids)
-        if after_step is not None:
-            after_step(engine)
-    assert not engine.has_work
-    return tokens
-
-
 @pytest.fixture(scope="session")
 def tiny_bf16_llm(tiny_dir):
     """bf16 weights, fp32 activations: the CPU path whose rows are bit-exact (spec/rollback.py)."""

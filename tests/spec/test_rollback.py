@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deltaserve.spec.config import SpeculativeConfig
-from tests.spec.conftest import greedy, make_engine, run_all
+from tests.engine.test_batching import run_all
+from tests.spec.conftest import greedy, make_engine
 
 
 def state_of(engine, rid: str):

@@ -9,7 +9,8 @@ import torch
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.spec.ngram import propose_ngram
-from tests.spec.conftest import greedy, make_engine, run_all
+from tests.engine.test_batching import run_all
+from tests.spec.conftest import greedy, make_engine
 
 PROSE = "The history of the city begins with a small settlement on the river, where traders"
 CODE = "import os\n\n\ndef list_python_files(path):\n"
