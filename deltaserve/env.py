@@ -24,6 +24,9 @@ class Env:
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
     cuda_graphs: bool  # DELTASERVE_CUDA_GRAPHS=0: GPU decode steps launch eagerly
+    # DELTASERVE_FUSED_DECODE=0: a CPU decode token runs layer by layer in Python, not as one
+    # native call (ops/decode_step.py)
+    fused_decode: bool
     # DELTASERVE_OVERLAP=0|1: greedy decode steps launch before the previous step's tokens are read
     # back (engine/overlap.py); default (unset): on for CUDA devices, off on CPU
     overlap: bool | None
@@ -48,6 +51,7 @@ class Env:
             native=_flag("DELTASERVE_NATIVE", default=True),
             huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
             cuda_graphs=_flag("DELTASERVE_CUDA_GRAPHS", default=True),
+            fused_decode=_flag("DELTASERVE_FUSED_DECODE", default=True),
             overlap=(None if os.environ.get("DELTASERVE_OVERLAP", "").strip() == ""
                      else _flag("DELTASERVE_OVERLAP")),
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),

@@ -88,11 +88,17 @@ def run_bench(args: argparse.Namespace) -> int:
         raise DeltaserveError(
             "the peer needs transformers: pip install 'deltaserve[validate]' (or pass --peer none)"
         )
+    read_gbs = read_bandwidth_gbs()  # before the workers: they run alone
     engines = {"deltaserve": _worker("ours", model_dir, args)}
+    ours = engines["deltaserve"]
+    if "bytes_per_token" in ours:  # the share of the memory roofline decode reaches
+        ours["roofline_pct"] = 100.0 * ours["decode_tok_s"] * ours["bytes_per_token"] / (
+            read_gbs * 1e9)
     if args.peer == "transformers" and not getattr(args, "shared_prefix", 0):
         engines["transformers"] = _worker("transformers", model_dir, args)
     record = _header("cpu-bench", args, model_dir)
     record["dtype"] = dtype
+    record["memory_read_gbs"] = read_gbs
     record["workload"].update(repeats=args.repeats, batch=getattr(args, "batch", None),
                               shared_prefix=getattr(args, "shared_prefix", 0) or None,
                               tensor_parallel=getattr(args, "tp", 1),
@@ -100,6 +106,21 @@ def run_bench(args: argparse.Namespace) -> int:
                               pp_layers=getattr(args, "pp_layers", None))
     record["engines"] = engines
     return _emit(record, args)
+
+
+def read_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
+    """This machine's streaming read rate: an fp32 sum over 1 GiB on torch's threads (median of
+    5 after a warm-up), the bound a decode step that reads every weight once can approach."""
+    import torch
+
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / sorted(times)[2] / 1e9
 
 
 def _header(kind: str, args: argparse.Namespace, model_dir: Path) -> dict:

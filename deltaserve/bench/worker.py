@@ -46,6 +46,9 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
         for _ in range(max(1, repeats - 1))
     ]
     out["decode_tok_s"] = statistics.median(rates)
+    from deltaserve.bench.gpu import decode_bytes_per_token
+
+    out["bytes_per_token"] = decode_bytes_per_token(llm.model)  # weights one decode token reads
     return out
 
 

@@ -12,7 +12,7 @@ from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import apply_rotary
-from deltaserve.ops.attention import causal_attention
+from deltaserve.ops.attention import causal_attention, paged_decode_attention_cpu
 from deltaserve.ops.norm import cuda_kernel_rows
 
 
@@ -69,8 +69,11 @@ class GatedAttention(nn.Module):
         batch.kv.write(layer, batch.kv_blocks, batch.kv_rows, k[0].transpose(0, 1), v[0])
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
-        if batch.decode_tables is not None:  # one SDPA over all decode rows, padded keys masked
-            rows = batch.attend_rows()
+        rows = batch.attend_rows() if batch.decode_tables is not None else None
+        gated = None if rows is None else paged_decode_attention_cpu(
+            q[0, :, rows].transpose(0, 1), gate[0, rows], batch.kv.k[layer], batch.kv.v[layer],
+            batch.decode_tables, batch.decode_lengths, scale)  # CPU: the native step's kernel
+        if rows is not None and gated is None:  # one SDPA over all decode rows, padded keys masked
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather_batch(layer, batch.decode_tables))
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]
             o = F.scaled_dot_product_attention(q_dec, k_all, v_all, attn_mask=batch.decode_mask(),
@@ -84,6 +87,8 @@ class GatedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(1, num_tokens, -1) * torch.sigmoid(
             gate.reshape(1, num_tokens, -1)
         )
+        if gated is not None:  # those rows come gated already
+            out[0, rows] = gated
         return self.o_proj(out)
 
     def _forward_fused(self, x: torch.Tensor, cos_sin, batch: StepBatch, layer: int

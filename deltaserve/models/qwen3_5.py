@@ -14,6 +14,7 @@ from deltaserve.layers.linear import Linear, linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
+from deltaserve.ops import decode_step
 from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
@@ -135,6 +136,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         embeddings instead of their token's (image placeholders take the vision tower's output)."""
         x = self._stage_input(input_ids[None], inject)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
+        plan = self._native_plan(batch) if inject is None else None
+        if plan is not None:  # one decode token on CPU: every layer in one native call
+            chunk, (cos, sin) = batch.chunks[0], cos_sin
+            h = plan.run(x[0, 0], chunk.slot, chunk.start_pos, batch.decode_tables[0], cos[0],
+                         sin[0])
+            return self._head(h[None], greedy)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
         # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
@@ -159,6 +166,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
         out = self._head(h, greedy)
         return out if pp is None else pp.share(out, tuple(out.shape), out.dtype)
+
+    _plan: tuple | None = None  # (pools key, decode_step.DecodePlan or None)
+
+    def _native_plan(self, batch: StepBatch):
+        """The native decode plan when this step is one sequence's decode token on CPU (no tensor
+        or pipeline split, no MTP hidden states wanted), else None."""
+        if len(batch.chunks) != 1 or not batch.decode or self.tp is not None \
+                or self.pp is not None or self.keep_hidden or self.device.type != "cpu":
+            return None
+        key = decode_step.pools_key(batch.states, batch.kv)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, decode_step.build_plan(self, batch.states, batch.kv))
+        return self._plan[1]
 
     def _stage_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
         """ids [B,T] -> the first layer's input [B,T,N]: the embeddings (image rows injected), or

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.norm import cuda_kernel_rows
+from deltaserve.env import env
+from deltaserve.ops.native import native_lib
+from deltaserve.ops.norm import _all_rows_native, cuda_kernel_rows
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -21,4 +25,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         if triton_act.available():
             return triton_act.silu_mul_cuda(gate_up)
-    return silu_mul_ref(gate_up)
+    out = _silu_mul_native(gate_up)
+    return silu_mul_ref(gate_up) if out is None else out
+
+
+def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """Steps without prefill chunks (decodes, draft verification; ops/norm.native_rows) on CPU
+    fp32: the C loop the one-call decode step (ops/decode_step.py) runs, so both give the same
+    bits. Prefill chunks of any size keep torch's vector op (a prefix-cache hit's short tail then
+    computes as the miss's long chunk does)."""
+    lib = native_lib()
+    if lib is None or env().reference_ops or gate_up.device.type != "cpu" \
+            or gate_up.dtype != torch.float32 or not _all_rows_native[0]:
+        return None
+    rows = gate_up.numel() // gate_up.shape[-1]
+    fn = lib.ds_silu_mul
+    if fn.argtypes is None:  # registered beside its one Python caller
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        fn.restype = None
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    return out

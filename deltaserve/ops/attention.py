@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+
+from deltaserve.env import env
+from deltaserve.ops.native import native_lib
 
 
 def causal_attention(
@@ -81,3 +86,31 @@ def paged_decode_attention_ref(q: torch.Tensor, proj: torch.Tensor, k_pool: torc
         outs.append(o[0, :, 0])
     gate = proj[:, : 2 * num_heads * head_dim].reshape(bsz, num_heads, 2 * head_dim)[..., head_dim:]
     return (torch.stack(outs) * torch.sigmoid(gate.float())).reshape(bsz, -1)
+
+
+def paged_decode_attention_cpu(q: torch.Tensor, gate: torch.Tensor, k_pool: torch.Tensor,
+                               v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                               scale: float) -> torch.Tensor | None:
+    """paged_decode_attention_ref's contract with the gate given apart (gate [B, HQ, D]), on CPU
+    fp32 by the native kernel that the one-call decode step (ops/decode_step.py) also runs, so a
+    decode or draft-verify row computed either way is the same bits. None where it cannot run."""
+    lib = native_lib()
+    tensors = (q, gate, k_pool, v_pool)
+    if lib is None or env().reference_ops or any(
+            t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    fn = lib.ds_attend_rows
+    if fn.argtypes is None:  # registered beside its one Python caller
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 2 + [ctypes.c_long]
+                       + [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2
+                       + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
+        fn.restype = None
+    bsz, num_heads, head_dim = q.shape
+    q, gate = q.contiguous(), gate.contiguous()
+    tables, lengths = tables.to(torch.long).contiguous(), lengths.to(torch.long).contiguous()
+    out = torch.empty(bsz, num_heads * head_dim)
+    fn(q.data_ptr(), num_heads * head_dim, gate.data_ptr(), num_heads * head_dim, head_dim,
+       k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
+       lengths.data_ptr(), out.data_ptr(), bsz, num_heads, k_pool.shape[1], head_dim,
+       k_pool.shape[2], scale, torch.get_num_threads())
+    return out

@@ -1,0 +1,229 @@
+// One decode token through every decoder layer in one call: the CPU counterpart of a CUDA graph.
+// The layered Python path (models/qwen3_5.forward_batch) spends ~15-20 ms per token of the 0.8B
+// model in Python and ~700 small torch ops around ~40 ms of weight-streaming GEMVs; here the same
+// kernels (ds_gemv_*, ds_gdn_decode_slots, ds_rmsnorm) run back to back with no Python between.
+// Spec: the layered path; tests/ops/test_decode_step.py checks parity per weight format.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4 };
+
+typedef struct {  // y[n] = sum_k W[n,k] x[k]; W in one of the formats above
+  int kind;
+  const void* w;
+  const float* s;  // per-group scales [n, k/g] (quantized kinds)
+  const float* b;  // per-group biases (4-bit affine)
+  long n, k, g;
+} DsMat;
+
+typedef struct {
+  int is_full;  // gated softmax attention; else Gated DeltaNet
+  const float* in_norm;  // (1+w) RMSNorms of the residual stream
+  const float* post_norm;
+  DsMat mix_in, mix_out, gate_up, down;
+  // Gated DeltaNet: conv weight [C,W], A_log, dt_bias [HV], gated-norm weight [V], pools
+  const float* conv_w;
+  const float* a_log;
+  const float* dt_bias;
+  const float* gnorm_w;
+  float* conv_pool;  // [S,C,W-1]
+  float* state_pool;  // [S,HV,K,V]
+  // attention: (1+w) q/k norms [D]; K/V pools [blocks, HKV, block_len, D]
+  const float* q_norm;
+  const float* k_norm;
+  float* k_pool;
+  float* v_pool;
+} DsLayer;
+
+typedef struct {
+  long hidden, inter, num_layers;
+  float eps;
+  long hk, hv, dk, dv, conv_width;  // GDN heads and head dims
+  long hq, hkv, head_dim, rot_dim, block_len;  // attention
+  float attn_scale;  // as the layered path passes it: (float)(head_dim ** -0.5)
+  const float* final_norm;
+} DsModel;
+
+void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, int num_threads);
+void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
+                int num_threads);
+void ds_gemv_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long N, long K,
+                     long G, int num_threads);
+void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
+                long K, long G, int num_threads);
+void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
+                int num_threads);
+void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const float* a,
+                         float* window, const float* conv_w, const float* a_log,
+                         const float* dt_bias, float* state, const float* norm_w, float* out,
+                         const long* slots, long B, long H, long HV, long K, long V, long W,
+                         float eps, int num_threads);
+void ds_rmsnorm(const float* x, const float* w, float* y, long rows, long dim, float eps,
+                float offset, int num_threads);
+
+static float dot_f32(const float* a, const float* b, long n) {
+  long i = 0;
+  float acc = 0.f;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  acc = _mm512_reduce_add_ps(v);
+#endif
+  for (; i < n; i++) acc += a[i] * b[i];
+  return acc;
+}
+
+static void matvec(const DsMat* m, const float* x, float* y, int threads) {
+  switch (m->kind) {
+    case DS_BF16: ds_gemv_bf16(m->w, x, y, m->n, m->k, threads); break;
+    case DS_Q8: ds_gemv_q8(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+#endif
+    case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads); break;
+    default: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+  }
+}
+
+// NeoX rotate-half on the first R dims; cos/sin [R] hold their halves repeated (layers/rotary.py).
+// No FMA contraction: x*cos and r*sin rounded apart, then added, bit for bit as torch's three ops.
+__attribute__((optimize("fp-contract=off"))) static void rope(float* x, const float* cos, const float* sin, long R) {
+  const long half = R / 2;
+  for (long i = 0; i < half; i++) {
+    const float lo = x[i], hi = x[i + half];
+    x[i] = lo * cos[i] + (-hi) * sin[i];
+    x[i + half] = hi * cos[i + half] + lo * sin[i + half];
+  }
+}
+
+// One query head over positions [0, len) of its KV head's blocks: softmax(q.k * scale) . v
+static void attend_head(const float* q, const float* k_pool, const float* v_pool, const long* table,
+                        long len, long kvh, long HKV, long D, long BL, float scale, float* scores,
+                        float* o) {
+  float best = -INFINITY, total = 0.f;
+  for (long p = 0; p < len; p++) {
+    const long off = ((table[p / BL] * HKV + kvh) * BL + p % BL) * D;
+    scores[p] = dot_f32(q, k_pool + off, D) * scale;
+    if (scores[p] > best) best = scores[p];
+  }
+  for (long d = 0; d < D; d++) o[d] = 0.f;
+  for (long p = 0; p < len; p++) {
+    const float e = expf(scores[p] - best);
+    const float* v = v_pool + ((table[p / BL] * HKV + kvh) * BL + p % BL) * D;
+    total += e;
+    for (long d = 0; d < D; d++) o[d] += e * v[d];
+  }
+  for (long d = 0; d < D; d++) o[d] /= total;
+}
+
+// Decode-style attention rows (the layered path's decode and draft-verify rows, and this file's
+// step): row r's q [HQ,D] (row stride q_stride) attends to positions [0, lengths[r]) of the blocks
+// in tables[r] (row stride table_stride); out[r] [HQ*D] = softmax(q.k*scale) . v * sigmoid(gate)
+// with gate [HQ,D] at head stride gate_head_stride (per-head [query D | gate D] projections).
+void ds_attend_rows(const float* q, long q_stride, const float* gate, long gate_stride,
+                    long gate_head_stride, const float* k_pool, const float* v_pool,
+                    const long* tables, long table_stride, const long* lengths, float* out,
+                    long rows, long HQ, long HKV, long D, long BL, float scale, int threads) {
+  long max_len = 1;
+  for (long r = 0; r < rows; r++) max_len = lengths[r] > max_len ? lengths[r] : max_len;
+  float* scores = malloc(sizeof(float) * max_len * rows * HQ);
+  const long group = HQ / HKV;
+#pragma omp parallel for num_threads(threads) collapse(2) schedule(static) \
+    if (max_len * rows * HQ > 4096)
+  for (long r = 0; r < rows; r++) {
+    for (long h = 0; h < HQ; h++) {
+      float* o = out + r * HQ * D + h * D;
+      attend_head(q + r * q_stride + h * D, k_pool, v_pool, tables + r * table_stride, lengths[r],
+                  h / group, HKV, D, BL, scale, scores + (r * HQ + h) * max_len, o);
+      const float* g = gate + r * gate_stride + h * gate_head_stride;
+      for (long d = 0; d < D; d++) o[d] *= 1.f / (1.f + expf(-g[d]));
+    }
+  }
+  free(scores);
+}
+
+// silu(gate) * up for rows of the packed gate|up output [rows, 2I] -> [rows, I]
+void ds_silu_mul(const float* gu, float* out, long rows, long I) {
+  for (long r = 0; r < rows; r++) {
+    const float* g = gu + r * 2 * I;
+    for (long j = 0; j < I; j++) out[r * I + j] = g[j] / (1.f + expf(-g[j])) * g[I + j];
+  }
+}
+
+// proj = [per head (query D | gate D)] x HQ | k HKV*D | v HKV*D -> out [HQ*D]; K/V of `pos` stored
+static void attention(const DsModel* m, const DsLayer* L, const float* proj, float* qk, float* out,
+                      long pos, const long* table, const float* cos, const float* sin,
+                      int threads) {
+  const long HQ = m->hq, HKV = m->hkv, D = m->head_dim, BL = m->block_len;
+  float *q = qk, *k = qk + HQ * D;
+  const float* v = proj + 2 * HQ * D + HKV * D;
+  for (long h = 0; h < HQ; h++) {
+    ds_rmsnorm(proj + h * 2 * D, L->q_norm, q + h * D, 1, D, m->eps, 1.f, 1);
+    rope(q + h * D, cos, sin, m->rot_dim);
+  }
+  ds_rmsnorm(proj + 2 * HQ * D, L->k_norm, k, HKV, D, m->eps, 1.f, 1);
+  const long blk = table[pos / BL], row = pos % BL, len = pos + 1;
+  for (long h = 0; h < HKV; h++) {
+    rope(k + h * D, cos, sin, m->rot_dim);
+    memcpy(L->k_pool + ((blk * HKV + h) * BL + row) * D, k + h * D, sizeof(float) * D);
+    memcpy(L->v_pool + ((blk * HKV + h) * BL + row) * D, v + h * D, sizeof(float) * D);
+  }
+  ds_attend_rows(q, HQ * D, proj + D, 0, 2 * D, L->k_pool, L->v_pool, table, 0, &len, out, 1, HQ,
+                 HKV, D, BL, m->attn_scale, threads);
+}
+
+static void add_into(float* x, const float* t, long n) {
+  for (long i = 0; i < n; i++) x[i] += t[i];
+}
+
+// work: at least ds_decode_work_floats(m) floats
+long ds_decode_work_floats(const DsModel* m) {
+  const long gdn = 2 * m->hk * m->dk + 2 * m->hv * m->dv + 2 * m->hv;
+  const long att = 2 * m->hq * m->head_dim + 2 * m->hkv * m->head_dim;
+  const long proj = gdn > att ? gdn : att;
+  return 3 * m->hidden + proj + 2 * (m->hq * m->head_dim + m->hv * m->dv) + 3 * m->inter + 64;
+}
+
+// x [hidden]: the token's input embedding in, the final-normed hidden state out. Layer i's state
+// lives at pool slot `slot`; attention stores K/V of `pos` via `table` (the sequence's KV blocks)
+// and attends over [0, pos]; cos/sin [rot_dim] are pos's rotary tables.
+void ds_decode_token(const DsModel* m, const DsLayer* layers, float* x, long slot, long pos,
+                     const long* table, const float* cos, const float* sin, float* work,
+                     int threads) {
+  const long N = m->hidden, I = m->inter;
+  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD, AD = m->hq * m->head_dim;
+  float* h = work;
+  float* t = h + N;
+  float* proj = t + N;
+  const long gdn = C + VD + 2 * m->hv, att = 2 * AD + 2 * m->hkv * m->head_dim;
+  float* o = proj + (gdn > att ? gdn : att);
+  float* qk = o + (AD > VD ? AD : VD);
+  float* gu = qk + AD + m->hkv * m->head_dim;
+  float* act = gu + 2 * I;
+  for (long i = 0; i < m->num_layers; i++) {
+    const DsLayer* L = layers + i;
+    ds_rmsnorm(x, L->in_norm, h, 1, N, m->eps, 1.f, 1);
+    matvec(&L->mix_in, h, proj, threads);
+    if (L->is_full) {
+      attention(m, L, proj, qk, o, pos, table, cos, sin, threads);
+    } else {
+      ds_gdn_decode_slots(proj, proj + C, proj + C + VD, proj + C + VD + m->hv, L->conv_pool,
+                          L->conv_w, L->a_log, L->dt_bias, L->state_pool, L->gnorm_w, o, &slot, 1,
+                          m->hk, m->hv, m->dk, m->dv, m->conv_width, m->eps, threads);
+    }
+    matvec(&L->mix_out, o, t, threads);
+    add_into(x, t, N);
+    ds_rmsnorm(x, L->post_norm, h, 1, N, m->eps, 1.f, 1);
+    matvec(&L->gate_up, h, gu, threads);
+    ds_silu_mul(gu, act, 1, I);
+    matvec(&L->down, act, t, threads);
+    add_into(x, t, N);
+  }
+  ds_rmsnorm(x, m->final_norm, h, 1, N, m->eps, 1.f, 1);
+  memcpy(x, h, sizeof(float) * N);
+}

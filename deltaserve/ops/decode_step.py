@@ -1,0 +1,160 @@
+"""One CPU decode token through all decoder layers in one native call (ops/csrc/decode_step.c).
+
+The layered path runs ~100 GEMVs per token of the 0.8B model, each a native call, with ~700 small
+torch ops and the Python of every module between them: ~15-20 ms per token on 2 cores, a third of
+an int8 step. The plan below describes the model once (pointers to every weight, norm, pool, and
+the kernel each matrix takes, as the layered path would choose it); each token is then one C call.
+Its reference is the layered path itself (models/qwen3_5.forward_batch without the plan);
+tests/ops/test_decode_step.py compares them per weight format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deltaserve.config import FULL
+from deltaserve.env import env
+from deltaserve.ops.native import native_lib
+from deltaserve.ops.qgemv import _q8_fn
+
+BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
+
+
+class DsMat(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
+                ("b", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
+                ("g", ctypes.c_long)]
+
+
+_P = ctypes.c_void_p
+_LAYER_PTRS = ["in_norm", "post_norm"]
+_LAYER_MATS = ["mix_in", "mix_out", "gate_up", "down"]
+_LAYER_TAIL = ["conv_w", "a_log", "dt_bias", "gnorm_w", "conv_pool", "state_pool", "q_norm",
+               "k_norm", "k_pool", "v_pool"]
+
+
+class DsLayer(ctypes.Structure):
+    _fields_ = ([("is_full", ctypes.c_int)] + [(n, _P) for n in _LAYER_PTRS]
+                + [(n, DsMat) for n in _LAYER_MATS] + [(n, _P) for n in _LAYER_TAIL])
+
+
+class DsModel(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_long) for n in ("hidden", "inter", "num_layers")]
+                + [("eps", ctypes.c_float)]
+                + [(n, ctypes.c_long) for n in ("hk", "hv", "dk", "dv", "conv_width", "hq", "hkv",
+                                                "head_dim", "rot_dim", "block_len")]
+                + [("attn_scale", ctypes.c_float), ("final_norm", _P)])
+
+
+def _matrix(linear, lib, keep: list) -> DsMat | None:
+    """The C description of a Linear for a batch-1 fp32 decode row, with the kernel the layered
+    path would pick (ops/qgemv.qgemv, ops/gemv.gemv); None where that path is not native."""
+    if linear.reduce is not None:
+        return None
+    scheme = linear.scheme
+    if scheme is None:
+        w = linear.weight  # fp32 weights (validation runs) take F.linear there: not native
+        if not w.is_contiguous() or w.dtype != torch.bfloat16:
+            return None
+        keep.append(w)
+        return DsMat(BF16, w.data_ptr(), None, None, w.shape[0], w.shape[1], 0)
+    n, k, g = linear.weight.shape[0], linear.in_cols, scheme.group_size
+    parts = [linear.weight, linear.scales] + ([linear.biases] if scheme.has_biases() else [])
+    if not all(t.is_contiguous() for t in parts):
+        return None
+    keep.extend(parts)
+    kinds = {("int8", 8): None, ("affine", 4): A4, ("q1", 1): Q1}
+    if (scheme.kind, scheme.bits) not in kinds:
+        return None
+    kind = kinds[(scheme.kind, scheme.bits)]
+    if kind is None:
+        vnni = getattr(lib, "ds_gemv_q8_vnni", None)
+        kind = Q8_VNNI if vnni is not None and _q8_fn(lib, n, k, g) is vnni else Q8
+    bias = linear.biases.data_ptr() if scheme.has_biases() else None
+    return DsMat(kind, linear.weight.data_ptr(), linear.scales.data_ptr(), bias, n, k, g)
+
+
+def _f32(t: torch.Tensor, keep: list) -> int:
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+class DecodePlan:
+    """Every pointer one decode token needs, for one model and one pair of state/KV pools."""
+
+    def __init__(self, lib, model: DsModel, layers, keep: list, key: tuple) -> None:
+        self.lib, self.model, self.layers, self.keep, self.key = lib, model, layers, keep, key
+        fn = lib.ds_decode_work_floats
+        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_long
+        self.work = torch.empty(fn(ctypes.byref(model)), dtype=torch.float32)
+        run = lib.ds_decode_token
+        run.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 4
+                        + [ctypes.c_int])
+        run.restype = None
+        self._args = (ctypes.byref(model), self.layers)
+
+    def run(self, x: torch.Tensor, slot: int, pos: int, table: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N] fp32 (overwritten): input embedding in, final-normed hidden state out."""
+        self.lib.ds_decode_token(*self._args, x.data_ptr(), slot, pos, table.data_ptr(),
+                                 cos.data_ptr(), sin.data_ptr(), self.work.data_ptr(),
+                                 torch.get_num_threads())
+        return x
+
+
+def pools_key(states, kv) -> tuple:
+    """Identifies the pools a plan points into (a new engine or cache makes new pools)."""
+    pools = (*states.conv, *states.recurrent, *kv.k, *kv.v)
+    return tuple(None if t is None else t.data_ptr() for t in pools) + (kv.block_len,)
+
+
+def build_plan(lm, states, kv) -> DecodePlan | None:
+    """The plan for Qwen3_5ForCausalLM `lm` over these pools, or None where some part has no native
+    kernel (then the layered path runs): needs the C library, fp32 activations and pools on CPU."""
+    lib = native_lib()
+    cfg = lm.cfg
+    if lib is None or env().reference_ops or not env().fused_decode or lm.device.type != "cpu" \
+            or lm.act_dtype != torch.float32 or not hasattr(lib, "ds_decode_token"):
+        return None
+    if any(t is not None and t.dtype != torch.float32 for t in (*states.conv, *kv.k, *kv.v)):
+        return None
+    keep: list = []
+    layers = (DsLayer * cfg.num_hidden_layers)()
+    for i, layer in enumerate(lm.model.layers):
+        spec = _layer(layer, i, cfg, states, kv, lib, keep)
+        if spec is None:
+            return None
+        layers[i] = spec
+    n = lambda c: getattr(cfg, c)  # noqa: E731
+    model = DsModel(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                    cfg.rms_norm_eps, n("linear_num_key_heads"), n("linear_num_value_heads"),
+                    n("linear_key_head_dim"), n("linear_value_head_dim"),
+                    n("linear_conv_kernel_dim"), cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, kv.block_len,
+                    cfg.head_dim**-0.5, _f32(lm.model.norm.weight, keep))
+    return DecodePlan(lib, model, layers, keep, pools_key(states, kv))
+
+
+def _layer(layer, i: int, cfg, states, kv, lib, keep: list) -> DsLayer | None:
+    full = cfg.layer_types[i] == FULL
+    mixer = layer.self_attn if full else layer.linear_attn
+    mats = [_matrix(m, lib, keep) for m in (
+        mixer.qkv_proj if full else mixer.in_proj, mixer.o_proj if full else mixer.out_proj,
+        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if any(m is None for m in mats):
+        return None
+    spec = DsLayer(int(full), _f32(layer.input_layernorm.weight, keep),
+                   _f32(layer.post_attention_layernorm.weight, keep), *mats)
+    if full:
+        spec.q_norm = _f32(mixer.q_norm.weight, keep)
+        spec.k_norm = _f32(mixer.k_norm.weight, keep)
+        spec.k_pool, spec.v_pool = kv.k[i].data_ptr(), kv.v[i].data_ptr()
+    else:
+        spec.conv_w = _f32(mixer.conv1d.weight[:, 0], keep)
+        spec.a_log, spec.dt_bias = _f32(mixer.A_log, keep), _f32(mixer.dt_bias, keep)
+        spec.gnorm_w = _f32(mixer.norm.weight, keep)
+        spec.conv_pool, spec.state_pool = states.conv[i].data_ptr(), states.recurrent[i].data_ptr()
+    return spec
