@@ -9,9 +9,17 @@ The reference is ops/qgemv.qgemv_ref (dequantize, then F.linear). The launch con
 shape comes from TUNED, written from scripts/gpu/qgemv_tune.py's H200 run (see that table).
 Measured there: int8 codes convert faster by the 2**23 mantissa trick (MAGIC) than by int-to-float;
 int4 codes do not (its bound is the integer shift/mask work, not the conversion).
+
+PDL mode (qgemv_cuda(..., pdl=...), Hopper): a layer's 2-8 MB matrix streams in ~1 us, less than
+one launch plus the first DRAM round trip, so back-to-back GEMVs are launch/latency bound. Launched
+with programmatic dependent launch, a GEMV loads its weights (static) before griddepcontrol.wait
+and only x (the previous kernel's output) after it, so its weight stream overlaps the
+predecessor's tail. Measured by scripts/gpu/qgemv_chain.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,42 +41,101 @@ if triton is not None:
             out = q.to(tl.float32)
         return out
 
+    try:  # Hopper grid-dependency control (Triton >= 3.4); without it PDL mode stays off
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        _HAS_GDC = True
+    except ImportError:  # the no-ops keep the kernel's AST resolvable; pdl_supported() says no
+        _HAS_GDC = False
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+
+    @triton.jit
+    def _weights(W, S, B, rows, row_ok, k0, K, num_groups, G: tl.constexpr, BITS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One K-step's static operands: codes, scales, biases. No kernel writes them, so under PDL
+        they may be loaded before gdc_wait (only x comes from the previous kernel)."""
+        NG: tl.constexpr = BLOCK_K // G
+        gidx = k0 // G + tl.arange(0, NG)
+        g_ok = row_ok[:, None] & (gidx < num_groups)[None, :]
+        g_off = rows[:, None] * num_groups + gidx[None, :]
+        if BITS == 8:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(W + rows[:, None] * K + cols[None, :],
+                        mask=row_ok[:, None] & (cols < K)[None, :], other=0)
+        else:
+            wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            q = tl.load(W + rows[:, None] * (K // 8) + wcols[None, :],
+                        mask=row_ok[:, None] & (wcols * 8 < K)[None, :], other=0)
+        s = tl.load(S + g_off, mask=g_ok, other=0.0)
+        if HAS_BIAS:
+            b = tl.load(B + g_off, mask=g_ok, other=0.0)
+        else:
+            b = s  # unused
+        return q, s, b
+
+    @triton.jit
+    def _step(acc, q, s, b, X, k0, K, G: tl.constexpr, BITS: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              MAGIC: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_K / G] += one K-step: per group a dot of codes and x, times the
+        group scale, plus bias times the group's sum of x. Reads x, so it runs after gdc_wait."""
+        NG: tl.constexpr = BLOCK_K // G
+        if BITS == 8:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
+        else:
+            wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            w_ok = wcols * 8 < K
+            prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(X + wcols * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+                prod += _to_float((q >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
+            part = tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 8)), axis=2)
+        acc += part * s
+        if HAS_BIAS:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += b * tl.sum(tl.reshape(x, (NG, G)), axis=1)[None, :]
+        return acc
+
     @triton.jit
     def _gemv_kernel(W, S, B, X, Y, YI, N, K, G: tl.constexpr, BITS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     MAGIC: tl.constexpr, ARGMAX: tl.constexpr):
-        NG: tl.constexpr = BLOCK_K // G
+                     MAGIC: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):
+        """PDL (programmatic dependent launch, launched with launch_pdl): 0 off; 1 gdc_wait first
+        (the launch overlaps the predecessor's tail); 2 the first K-step's weights are loaded
+        before the wait, so this kernel's DRAM round trip overlaps the predecessor; 3 as 2, and
+        the dependents are released before this kernel's own wait (a deeper pipeline). 1 and 2
+        release the next kernel right after the wait: at most two GEMVs overlap."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         num_groups = K // G
-        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            gidx = k0 // G + tl.arange(0, NG)
-            g_ok = row_ok[:, None] & (gidx < num_groups)[None, :]
-            g_off = rows[:, None] * num_groups + gidx[None, :]
-            if BITS == 8:
-                cols = k0 + tl.arange(0, BLOCK_K)
-                q = tl.load(W + rows[:, None] * K + cols[None, :],
-                            mask=row_ok[:, None] & (cols < K)[None, :], other=0)
-                x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-                part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
-            else:
-                wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                w_ok = wcols * 8 < K
-                words = tl.load(W + rows[:, None] * (K // 8) + wcols[None, :],
-                                mask=row_ok[:, None] & w_ok[None, :], other=0)
-                prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-                for j in tl.static_range(8):
-                    xj = tl.load(X + wcols * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-                    prod += _to_float((words >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
-                part = tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 8)), axis=2)
-            acc += part * tl.load(S + g_off, mask=g_ok, other=0.0)
-            if HAS_BIAS:
-                cols = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-                xsum = tl.sum(tl.reshape(x, (NG, G)), axis=1)
-                acc += tl.load(B + g_off, mask=g_ok, other=0.0) * xsum[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K // G], dtype=tl.float32)
+        k_start = 0
+        if PDL == 3:
+            gdc_launch_dependents()
+        if PDL >= 2:
+            q0, s0, b0 = _weights(W, S, B, rows, row_ok, 0, K, num_groups, G, BITS, HAS_BIAS,
+                                  BLOCK_K)
+        if PDL != 0:
+            gdc_wait()  # the predecessor is complete and its writes (our x) are visible
+            if PDL != 3:
+                gdc_launch_dependents()
+        if PDL >= 2:
+            acc = _step(acc, q0, s0, b0, X, 0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K, MAGIC)
+            k_start = BLOCK_K
+        for k0 in range(k_start, K, BLOCK_K):
+            q, s, b = _weights(W, S, B, rows, row_ok, k0, K, num_groups, G, BITS, HAS_BIAS,
+                               BLOCK_K)
+            acc = _step(acc, q, s, b, X, k0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K, MAGIC)
         y = tl.sum(acc, axis=1)
         if ARGMAX:  # the greedy head: this block's maximum and its row, not the logits
             y = tl.where(row_ok, y, float("-inf"))
@@ -97,24 +164,73 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }
 DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0)}
+# pdl=True / "tile": the best launch shape per Qwen3.5-0.8B shape in a chain of GEMVs of that
+# shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps), BLOCK_K widened to all of
+# K: `python scripts/gpu/qgemv_chain.py --sweep` on one H200, 2026-11-30 (the same winners in two
+# runs; docs/benchmarks/2026-11-30-h200-qgemv-pdl.json). Wider programs than TUNED: fewer
+# programs leave room on the SMs for the next GEMV's programs to prefetch. Comments: us per GEMV
+# in that chain, TUNED's config with the same PDL mode in brackets.
+TUNED_PDL: dict[tuple[int, int, int, int], Config] = {
+    (8, 1024, 4608, 6144): (8, 1024, 4, 1, 1),  # 5120 rows: 2.83 [2.84]
+    (8, 1024, 6656, 16384): (16, 1024, 4, 1, 1),  # 7168 / 8224: 3.34 / 3.88 [3.79 / 4.86]
+    (8, 2048, 0, 2048): (8, 2048, 4, 1, 1),  # 1024 rows: 1.95 [2.47]
+    (8, 3584, 0, 2048): (8, 4096, 8, 1, 1),  # 1024 rows: 2.49 [3.14]
+    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 0),  # 5120: 3.04 [3.19]
+    (4, 1024, 6656, 16384): (8, 1024, 2, 1, 0),  # 7168 / 8224: 4.14 / 4.35 [4.60 / 4.70]
+    (4, 2048, 0, 2048): (8, 2048, 8, 1, 0),  # 2.32 [2.47]
+    (4, 3584, 0, 2048): (8, 4096, 8, 1, 0),  # 3.39 [4.00]
+}
 
 
-def config_for(bits: int, n: int, k: int) -> Config:
-    for (b, kk, lo, hi), cfg in TUNED.items():
-        if b == bits and kk == k and lo <= n < hi:
-            return cfg
+def config_for(bits: int, n: int, k: int, table: dict | None = None) -> Config:
+    """The launch config for a shape: `table` (TUNED_PDL) first when given, then TUNED."""
+    for t in (table or {}, TUNED):
+        for (b, kk, lo, hi), cfg in t.items():
+            if b == bits and kk == k and lo <= n < hi:
+                return cfg
     return DEFAULT[bits]
 
 
-def qgemv_cuda(x: torch.Tensor, p: dict, scheme,
-               config: Config | None = None) -> torch.Tensor:
+# pdl keyword -> the kernel's PDL constexpr. True is "tile": the mode that overlaps the most.
+PDL_MODES = {"wait": 1, "block": 2, "tile": 2, "early": 3}
+_TILE_BYTES_PER_THREAD = 128  # a whole [BLOCK_N, K] tile held in registers: at most 32 per thread
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Programmatic dependent launch needs Triton's launch_pdl (3.4+) and an sm_90+ GPU."""
+    if triton is None or not _HAS_GDC or not torch.cuda.is_available():
+        return False
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def whole_k_config(config: Config, bits: int, k: int) -> Config:
+    """config with BLOCK_K covering all of K (next power of two) when that tile's codes stay
+    within _TILE_BYTES_PER_THREAD: PDL then loads every weight of the program before its wait."""
+    block_n, block_k, warps, stages, magic = config
+    whole = triton.next_power_of_2(k)
+    if block_n * whole * bits // 8 > _TILE_BYTES_PER_THREAD * 32 * warps:
+        return config
+    return block_n, max(block_k, whole), warps, stages, magic
+
+
+def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
+               pdl: bool | str = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8 or 4-bit affine weights
-    -> [1, N] in x's dtype (no cast kernels around the GEMV)."""
+    -> [1, N] in x's dtype (no cast kernels around the GEMV), into `out` when given.
+
+    pdl (Hopper, for GEMVs that follow each other in a stream or CUDA graph): False; True or
+    "tile" (whole-K tile loaded before the wait where it fits, else as "block"); "block" (the
+    first K-step before the wait); "wait" (wait first); "early" ("tile", and the next kernel is
+    released before this one's wait). Ignored where pdl_supported() is False. Without a config,
+    True / "tile" take TUNED_PDL's launch shapes."""
     w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
     n = w.shape[0]
-    config = config or config_for(scheme.bits, n, x.shape[-1])
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x, p, scheme, w, y, y, config, False)
+    table = TUNED_PDL if pdl in (True, "tile") else None
+    config = config or config_for(scheme.bits, n, x.shape[-1], table)
+    y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _launch(x, p, scheme, w, y, y, config, False, pdl)
     return y
 
 
@@ -131,12 +247,17 @@ def qgemv_argmax_cuda(x: torch.Tensor, p: dict, scheme) -> tuple[torch.Tensor, t
 
 
 def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,
-            config: Config, argmax: bool) -> None:
+            config: Config, argmax: bool, pdl: bool | str = False):
+    """Launches the kernel; returns Triton's compiled-kernel handle (its .asm for inspection)."""
+    mode = PDL_MODES["tile" if pdl is True else pdl] if pdl and pdl_supported() else 0
+    n, k = w.shape[0], x.shape[-1]
+    if pdl in (True, "tile", "early") and mode:
+        config = whole_k_config(config, scheme.bits, k)
     block_n, block_k, warps, stages, magic = config
     block_k = max(block_k, scheme.group_size)
-    n, k = w.shape[0], x.shape[-1]
     biases = p.get("biases", p["scales"])
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    extra = {"launch_pdl": True} if mode else {}  # no keyword at all on the default path
+    return _gemv_kernel[(triton.cdiv(n, block_n),)](
         w, p["scales"], biases, x.contiguous(), y, yi, n, k, G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
-        MAGIC=magic, ARGMAX=argmax, num_warps=warps, num_stages=stages)
+        MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages, **extra)
