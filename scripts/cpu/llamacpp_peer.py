@@ -1,0 +1,84 @@
+"""Our CPU decode and prefill against llama.cpp's llama-bench on the same model, back to back.
+
+    python scripts/cpu/llamacpp_peer.py --llama-bench PATH/llama-bench \
+        --pair /tmp/q08_int8=/tmp/q08_q8_0.gguf --pair /tmp/q08_int4=/tmp/q08_q4_0.gguf \
+        --out peer.json
+
+Each pair is (our checkpoint folder, the GGUF of the same weights: convert_hf_to_gguf.py from the
+bf16 folder, `--outtype q8_0`, or llama-quantize). Per pair, alternating ours / llama.cpp `rounds`
+times: our `deltaserve bench` (prefill 512, decode 128 after 16 tokens, 2 threads) and
+`llama-bench -t 2 -p 512 -n 128` (pp512, tg128). The machine's memory read rate is measured in
+each of our runs (its bandwidth drifts run to run on this shared VM). One JSON with every run.
+Not a CI test: llama.cpp is not a dependency (build it from the llama-cpp-python sdist's vendor/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve.bench.record import device_info, git_commit  # noqa: E402
+
+
+def ours(model: str, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
+                        "bfloat16", "--prefill-lens", "512", "--decode-tokens", "128",
+                        "--repeats", "3", "--peer", "none", "--out", f.name],
+                       check=True, capture_output=True, env=None)
+        rec = json.loads(Path(f.name).read_text())
+    eng = rec["engines"]["deltaserve"]
+    return {"prefill_512_tok_s": eng["prefill_512_tok_s"], "decode_tok_s": eng["decode_tok_s"],
+            "roofline_pct": eng.get("roofline_pct"), "memory_read_gbs": rec["memory_read_gbs"],
+            "bytes_per_token": eng.get("bytes_per_token")}
+
+
+def llama(binary: str, gguf: str, threads: int) -> dict:
+    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128",
+                           "-r", "3", "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(proc.stdout)
+    out = {"build_commit": rows[0].get("build_commit"), "model_type": rows[0].get("model_type"),
+           "model_size": rows[0].get("model_size")}
+    for r in rows:
+        key = "prefill_512_tok_s" if r["n_prompt"] else "decode_tok_s"
+        out[key] = r["avg_ts"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-bench", required=True)
+    ap.add_argument("--pair", action="append", required=True, help="OURS_DIR=GGUF")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
+              "device": device_info("cpu"), "threads": args.threads, "pairs": {}}
+    for pair in args.pair:
+        model, gguf = pair.split("=", 1)
+        runs = []
+        for _ in range(args.rounds):
+            runs.append({"deltaserve": ours(model, args.threads),
+                         "llama.cpp": llama(args.llama_bench, gguf, args.threads)})
+            print(json.dumps(runs[-1]), file=sys.stderr)
+        med = {e: {k: statistics.median(r[e][k] for r in runs)
+                   for k in ("prefill_512_tok_s", "decode_tok_s")} for e in runs[0]}
+        record["pairs"][pair] = {"runs": runs, "median": med,
+                                 "decode_ratio": med["deltaserve"]["decode_tok_s"]
+                                 / med["llama.cpp"]["decode_tok_s"],
+                                 "prefill_ratio": med["deltaserve"]["prefill_512_tok_s"]
+                                 / med["llama.cpp"]["prefill_512_tok_s"]}
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({p: {k: v for k, v in r.items() if k != "runs"}
+                      for p, r in record["pairs"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
