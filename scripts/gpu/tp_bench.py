@@ -97,7 +97,7 @@ def _decode(llm, batch: int, tokens: int, gen: torch.Generator) -> float:
     engine = llm.engine
     for rnd in ("warm-up", "timed"):
         for i in range(batch):
-            ids = torch.randint(0, 248044, (16,), generator=gen).tolist()
+            ids = torch.randint(0, llm.config.vocab_size, (16,), generator=gen).tolist()
             engine.add_request(f"{rnd}-{batch}-{i}", ids, params)
         engine.step()  # every prompt in one step: each sequence has its first token
         t0, produced = time.perf_counter(), 0
@@ -150,7 +150,7 @@ def measure(rank: int, model_dir: str, tp: int, opts: dict, path: str, pp: int =
         plan = llm.model.pp.plan
         rec["layer_split"] = list(plan.layer_split)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 248044, (32,), generator=gen).tolist()
+    prompts = [torch.randint(0, llm.config.vocab_size, (32,), generator=gen).tolist()
                for _ in range(GREEDY_PROMPTS)]
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     rec["greedy"] = [o.outputs[0].token_ids for o in
@@ -185,7 +185,7 @@ def parity(rank: int, model_dir: str, tp: int, path: str, pp: int = 1,
     llm = LLM(model_dir, dtype="float32", device=opts.get("device", "cuda"), prefix_cache_bytes=0,
               max_num_seqs=4, **_parallel(tp, pp, opts))
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 248044, (1, 64), generator=gen)
+    ids = torch.randint(0, llm.config.vocab_size, (1, 64), generator=gen)
     logits = llm.model(ids.to(llm.model.device), llm.model.new_state(1), all_logits=True)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     greedy = llm.generate([{"prompt_token_ids": ids[0].tolist()}], params)[0].outputs[0].token_ids
@@ -201,7 +201,7 @@ def profile_prefill(rank: int, model_dir: str, tp: int, n: int, path: str) -> No
     llm = LLM(model_dir, dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
               prefix_cache_bytes=0, max_num_seqs=4, max_num_batched_tokens=n)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    ids = torch.randint(0, 248044, (n,)).tolist()
+    ids = torch.randint(0, llm.config.vocab_size, (n,)).tolist()
     llm.generate([ids], one)
     rec = profile_call(lambda: llm.generate([ids], one))
     if rank == 0:
@@ -220,7 +220,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="2b,27b",
-                    help="2b (bf16) and/or 27b (int4); tiny / 0.8b for a CPU smoke run")
+                    help="2b (bf16) and/or 27b (int4); default (the trained stdlib-19m: a gate "
+                    "that measures the transport, not flat logits); tiny / 0.8b for a CPU smoke run")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -308,7 +309,11 @@ def _checkpoint(name: str, work: Path) -> Path:
     if name in ("tiny", "0.8b"):  # CPU smoke runs of this script
         write_checkpoint(preset("tiny" if name == "tiny" else "qwen3.5-0.8b"), out, seed=0)
         return out
-    raise SystemExit(f"unknown model {name} (2b, 27b, tiny, 0.8b)")
+    if name == "default":  # the trained default model: the fixture the compressed gate needs
+        from deltaserve.checkpoint.default import default_model_dir
+
+        return default_model_dir()
+    raise SystemExit(f"unknown model {name} (2b, 27b, default, tiny, 0.8b)")
 
 
 if __name__ == "__main__":
