@@ -11,7 +11,6 @@ import zlib
 
 import httpx
 import numpy as np
-import openai
 import pytest
 from PIL import Image
 
@@ -90,7 +89,9 @@ def test_models_card_lists_image_input(base) -> None:
 def test_image_answer_equals_the_offline_engine(base, offline_llm) -> None:
     png = encoded(picture())
     messages = user(image_part(data_url(png)), {"type": "text", "text": "What is this?"})
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    from openai import OpenAI  # here, as in test_server.py: collecting needs no openai
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
     extra = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
     reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8,
                                            temperature=0, extra_body=extra)
