@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--skip-speed", action="store_true", help="only parity / profile")
     ap.add_argument("--pp", action="store_true", help="also PP=2 (layer split) beside TP=1/2")
     ap.add_argument("--pp-layers", default=None, help="PP=2 layers per rank, e.g. 10,14")
+    ap.add_argument("--layouts", default="tp1,tp2",
+                    help="which of tp1,tp2 to run (--pp adds pp2); e.g. tp2 for the gate alone")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (gloo)")
     args = ap.parse_args()
     from deltaserve.distributed.pipeline import parse_split
@@ -249,7 +251,7 @@ def main() -> None:
         model_dir = _checkpoint(name, work)
         runs = {"checkpoint_s": round(time.perf_counter() - t0, 1)}
         if not args.skip_speed:
-            _speed(name, model_dir, work, opts, runs, args.pp)
+            _speed(name, model_dir, work, opts, runs, args.pp, args.layouts.split(","))
         if args.parity and name in ("2b", "tiny", "0.8b"):
             runs["fp32_parity"] = _fp32_parity(model_dir, work, opts, args.pp)
             print(name, "fp32", runs["fp32_parity"], flush=True)
@@ -262,9 +264,12 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(record, indent=1))
 
 
-def _speed(name: str, model_dir: Path, work: Path, opts: dict, runs: dict, pp: bool) -> None:
+def _speed(name: str, model_dir: Path, work: Path, opts: dict, runs: dict, pp: bool,
+           wanted: list[str]) -> None:
     """TP=1, TP=2 (and PP=2) each in a fresh launch; greedy agreement with TP=1."""
-    layouts = [("tp1", 1, 1), ("tp2", 2, 1)] + ([("pp2", 1, 2)] if pp else [])
+    layouts = [(label, tp, stages) for label, tp, stages in
+               [("tp1", 1, 1), ("tp2", 2, 1)] + ([("pp2", 1, 2)] if pp else [])
+               if label in wanted or label == "pp2"]
     for label, tp, stages in layouts:
         path = work / f"{name}-{label}.json"
         t0 = time.perf_counter()
@@ -273,7 +278,7 @@ def _speed(name: str, model_dir: Path, work: Path, opts: dict, runs: dict, pp: b
         runs[label] = {**json.loads(path.read_text()), "wall_s": round(time.perf_counter() - t0, 1)}
         print(name, label, {k: v for k, v in runs[label].items()
                             if k.endswith(("tok_s", "_s", "gib"))}, flush=True)
-    for label, _, _ in layouts[1:]:
+    for label, _, _ in (layouts[1:] if "tp1" in runs else []):
         runs[f"greedy_{label}_vs_tp1"] = _agreement(runs[label]["greedy"], runs["tp1"]["greedy"])
         print(name, label, runs[f"greedy_{label}_vs_tp1"], flush=True)
 
