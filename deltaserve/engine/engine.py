@@ -136,6 +136,7 @@ class Engine:
 
     def _run(self, plan) -> list[StepOutput]:
         """Execute, sample, record and emit one plan, waiting for its results."""
+        start = time.perf_counter()
         if self.spec is not None:
             plan = self.spec.draft(plan)
         reqs = {c.request_id: self.scheduler.get(c.request_id) for c in plan.chunks}
@@ -151,6 +152,8 @@ class Engine:
         self.scheduler.update(plan, sampled)  # chunks of the failed (now aborted) are ignored
         if self.spec is not None:
             self.spec.observe(plan, logits)
+            self.spec.timed(sum(len(t) if isinstance(t, tuple) else 1 for t in sampled.values()),
+                            time.perf_counter() - start)
         self.num_steps += 1
         return errors + [self.emit(rid, token, lps.get(rid)) if isinstance(token, int)
                          else self._emit_tokens(rid, token) for rid, token in sampled.items()]

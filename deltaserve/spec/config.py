@@ -26,6 +26,9 @@ class SpeculativeConfig:
     adaptive: bool = True
     adaptive_min_drafts: int = 16
     adaptive_min_acceptance: float = 0.25
+    # pace (with adaptive): drafting continues only while decode steps with drafts emit more
+    # tokens per second than steps without, both measured as the engine runs (spec/pace.py)
+    pace: bool = True
     # GDN rollback after a rejection: "keep" copies each verified position's state out and copies
     # the accepted one back; "recompute" copies the state once and re-runs the accepted tokens'
     # recurrence steps (spec/rollback.py). Measured on CPU, k=4, 0.8B shape bf16 (a verify step,

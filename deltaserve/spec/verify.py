@@ -22,6 +22,7 @@ import torch
 from deltaserve.engine.scheduler import ScheduledChunk, StepPlan
 from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.spec.ngram import AdaptiveGate, propose_ngram
+from deltaserve.spec.pace import PaceGate
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,6 +34,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     num_disabled: int = 0  # requests the adaptive gate switched off
+    pace: dict | None = None  # the pace gate's state when it runs (spec/pace.py)
 
     @property
     def acceptance_rate(self) -> float:
@@ -43,7 +45,8 @@ class SpecStats:
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "acceptance_rate": round(self.acceptance_rate, 4),
                 "accepted_per_pos": list(self.accepted_per_pos),
-                "num_disabled": self.num_disabled}
+                "num_disabled": self.num_disabled,
+                **({"pace": self.pace} if self.pace is not None else {})}
 
 
 class Speculator:
@@ -51,6 +54,8 @@ class Speculator:
         self.config, self.engine = config, engine
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._gates: dict[str, AdaptiveGate] = {}
+        self.pace = PaceGate() if config.adaptive and config.pace else None
+        self._paced: bool | None = None  # drafted or not, for a decode-only step being timed
         self.mtp = None
         if config.method == "mtp":
             from deltaserve.spec.mtp import MTPDrafter
@@ -61,7 +66,28 @@ class Speculator:
     # ---- before the forward ----
 
     def draft(self, plan: StepPlan) -> StepPlan:
-        """The plan with drafts appended to every eligible decode chunk (KV reserved for them)."""
+        """The plan with drafts appended to every eligible decode chunk (KV reserved for them);
+        unchanged where the pace gate measured drafting not to pay (or probes without it)."""
+        decode_only = all(len(c.token_ids) == 1 for c in plan.chunks)
+        self._paced = None
+        if self.pace is not None:
+            wanted = self.pace.choose() if decode_only else self.pace.drafting
+            if not wanted:
+                self._paced = False if decode_only else None
+                return plan
+        plan = self._append_drafts(plan)
+        if self.pace is not None and decode_only:
+            self._paced = any(c.num_draft for c in plan.chunks)
+        return plan
+
+    def timed(self, num_tokens: int, seconds: float) -> None:
+        """The engine's wall time of the step just run and the tokens it emitted."""
+        if self._paced is not None:
+            self.pace.record(self._paced, num_tokens, seconds)
+            self.stats.pace = self.pace.as_dict()
+            self._paced = None
+
+    def _append_drafts(self, plan: StepPlan) -> StepPlan:
         chunks, changed = [], False
         for c in plan.chunks:
             num = self._num_drafts(c)

@@ -64,8 +64,9 @@ def test_adaptive_switches_a_losing_request_off(tiny_bf16_llm) -> None:
         return engine
 
     prompts = {"r": list(range(10, 30))}
-    on = always_wrong(make_engine(tiny_bf16_llm, SpeculativeConfig(
-        num_speculative_tokens=4, adaptive_min_drafts=8, adaptive_min_acceptance=0.5)))
+    on = always_wrong(make_engine(tiny_bf16_llm, SpeculativeConfig(  # acceptance decides alone
+        num_speculative_tokens=4, adaptive_min_drafts=8, adaptive_min_acceptance=0.5,
+        pace=False)))
     off = always_wrong(make_engine(tiny_bf16_llm, SpeculativeConfig(num_speculative_tokens=4,
                                                                     adaptive=False)))
     assert run_all(on, prompts, greedy(30)) == run_all(off, prompts, greedy(30))

@@ -1,0 +1,52 @@
+"""The pace gate: drafting continues only while steps with drafts are measured faster."""
+
+from __future__ import annotations
+
+from deltaserve.spec.config import SpeculativeConfig
+from deltaserve.spec.pace import PaceGate
+from tests.engine.test_batching import run_all
+from tests.spec.conftest import greedy, make_engine
+
+
+def drive(gate: PaceGate, steps: int, draft_rate: float, plain_rate: float) -> list[bool]:
+    """Runs `steps` decode-only steps at the given tokens/s per way; returns the choices."""
+    choices = []
+    for _ in range(steps):
+        drafted = gate.choose()
+        choices.append(drafted)
+        gate.record(drafted, 4 if drafted else 1, (4 if drafted else 1) / (
+            draft_rate if drafted else plain_rate))
+    return choices
+
+
+def test_a_losing_drafter_is_turned_off_and_probed() -> None:
+    gate = PaceGate(probe_every=16, warmup_steps=8)
+    choices = drive(gate, 200, draft_rate=50.0, plain_rate=100.0)
+    assert not gate.drafting
+    late = choices[64:]
+    assert sum(late) == len([i for i in range(65, 201) if i % 16 == 0])  # only the probes draft
+
+
+def test_a_winning_drafter_stays_on_and_a_slowdown_turns_it_off() -> None:
+    gate = PaceGate(probe_every=16, warmup_steps=8)
+    choices = drive(gate, 100, draft_rate=300.0, plain_rate=100.0)
+    assert gate.drafting and sum(choices[20:]) == 80 - len([i for i in range(21, 101)
+                                                            if i % 16 == 0])
+    drive(gate, 200, draft_rate=60.0, plain_rate=100.0)  # the context grew: verify now loses
+    assert not gate.drafting and gate.num_switches == 1
+
+
+def test_a_way_is_measured_before_it_is_judged() -> None:
+    gate = PaceGate()
+    assert [gate.choose() for _ in range(2)] == [True, True]  # drafts' first step is not a rate
+    gate.rates[True] = 10.0
+    assert gate.choose() is False
+
+
+def test_paced_engine_gives_the_same_tokens_and_reports_its_state(tiny_bf16_llm) -> None:
+    prompts = {"r": [7, 8, 9, 10] * 8}
+    want = run_all(make_engine(tiny_bf16_llm), prompts, greedy(40))
+    engine = make_engine(tiny_bf16_llm, SpeculativeConfig(num_speculative_tokens=3))
+    assert run_all(engine, prompts, greedy(40)) == want
+    pace = engine.spec.stats.as_dict()["pace"]
+    assert set(pace["tok_s"]) == {"draft", "plain"} and engine.spec.stats.num_drafts > 0
