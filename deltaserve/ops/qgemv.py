@@ -12,6 +12,7 @@ activations (the exact kernel, as do groups that are not a multiple of 64).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -112,4 +113,25 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
         lib.ds_gemv_a4(w.data_ptr(), s.data_ptr(), p["biases"].contiguous().data_ptr(), *args)
     else:
         lib.ds_gemv_q1(w.data_ptr(), s.data_ptr(), *args)
+    return out
+
+
+def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
+    """x [M,K] fp32 (CPU, a few decode or draft rows) -> [M,N] fp32: the same bits as M qgemv
+    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one);
+    None where no such kernel applies (then: a qgemv per row)."""
+    lib = native_lib()
+    if lib is None or env().reference_ops or x.device.type != "cpu" or scheme.kind != "int8":
+        return None
+    w = p["weight"]
+    vnni, multi = getattr(lib, "ds_gemv_q8_vnni", None), getattr(lib, "ds_gemm_q8_vnni", None)
+    if multi is None or _q8_fn(lib, w.shape[0], x.shape[-1], scheme.group_size) is not vnni:
+        return None
+    if multi.argtypes is None:  # registered beside its one caller
+        multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+        multi.restype = None
+    w, s, x = w.contiguous(), p["scales"].contiguous(), x.float().contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    multi(w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0],
+          x.shape[-1], scheme.group_size, torch.get_num_threads())
     return out

@@ -18,7 +18,7 @@ from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
 from deltaserve.ops import triton_qgemm, triton_qgemv
-from deltaserve.ops.qgemv import dequantize_into, qgemv
+from deltaserve.ops.qgemv import dequantize_into, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
 # CPU: up to this many rows (a decode batch) each row takes the packed-code GEMV; above it the weight
@@ -106,8 +106,10 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     p = packed(module)
     if rows == 1:  # the decode case: a cat of one tensor still costs a copy and ~12 us
         out = gemv(flat, p, module.scheme)
-    else:
-        out = torch.cat([gemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
+    else:  # the same bits as a GEMV per row; one pass over the codes where a kernel does that
+        out = qgemm_rows(flat, p, module.scheme) if x.device.type == "cpu" else None
+        if out is None:
+            out = torch.cat([gemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 

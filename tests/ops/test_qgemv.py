@@ -143,3 +143,19 @@ def test_native_dequantizer_matches_the_reference(name) -> None:
     # the C path may fuse q*s + b into one FMA: at most one rounding apart
     assert torch.allclose(out, ref, rtol=2e-7, atol=1e-9)
     assert not torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize(("num_rows", "rows", "cols"), [(2, 203, 1024), (5, 4096, 256),
+                                                         (16, 7, 320)])
+def test_multi_row_int8_gemm_is_a_gemv_per_row_bit_for_bit(num_rows, rows, cols) -> None:
+    """Decode batches and draft rows stream the codes once (ds_gemm_q8_vnni) and must give each
+    row the very bits its own GEMV gives: batch == singles, spec verify == plain decode."""
+    from deltaserve.ops.qgemv import qgemm_rows
+
+    packed = {k: v.float() if k == "scales" else v
+              for k, v in quantize(torch.randn(rows, cols), INT8).items()}
+    x = torch.randn(num_rows, cols) * torch.logspace(-3, 2, num_rows)[:, None]
+    got = qgemm_rows(x, packed, INT8)
+    assert got is not None, "the multi-row kernel did not run"
+    want = torch.cat([qgemv(x[r : r + 1], packed, INT8) for r in range(num_rows)])
+    assert torch.equal(got, want)

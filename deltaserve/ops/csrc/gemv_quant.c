@@ -237,6 +237,39 @@ void ds_gemv_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, 
     block_vnni(w, s, xq, dx, corr, y, n, K, G, 1);
   free(xq);
 }
+
+// M activation rows (a decode batch, draft rows): each block of weight rows meets every row's
+// quantized x while it sits in L1, so the codes stream from memory once, not M times. Per (row,
+// output) the arithmetic is block_vnni's in its order: the bits of M ds_gemv_q8_vnni calls.
+void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long M, long N,
+                     long K, long G, int num_threads) {
+  if (G % 64 || K % G || G > VNNI_MAX_G) {
+    for (long m = 0; m < M; m++) ds_gemv_q8(w, s, x + m * K, y + m * N, N, K, G, num_threads);
+    return;
+  }
+  const long stride = K + (K / G * 8 + 63) / 64 * 64;  // per row: xq, then dx and corr
+  int8_t* xq = aligned_alloc(64, stride * M);
+  for (long m = 0; m < M; m++) {
+    float* dx = (float*)(xq + m * stride + K);
+    quantize_x_q8(x + m * K, xq + m * stride, dx, (int32_t*)(dx + K / G), K, G);
+  }
+  const long num_blocks = N / VNNI_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long b = 0; b <= num_blocks; b++) {
+    const long n0 = b * VNNI_ROWS, rows = b < num_blocks ? VNNI_ROWS : N - n0;
+    for (long m = 0; m < M; m++) {
+      const int8_t* q = xq + m * stride;
+      const float* dx = (const float*)(q + K);
+      const int32_t* corr = (const int32_t*)(dx + K / G);
+      if (rows == VNNI_ROWS) {
+        block_vnni(w, s, q, dx, corr, y + m * N, n0, K, G, VNNI_ROWS);
+      } else {  // the last (at most 3) weight rows, one at a time as ds_gemv_q8_vnni does
+        for (long r = 0; r < rows; r++) block_vnni(w, s, q, dx, corr, y + m * N, n0 + r, K, G, 1);
+      }
+    }
+  }
+  free(xq);
+}
 #endif
 
 #if defined(__AVX512F__)
