@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from deltaserve import SamplingParams
 from deltaserve.cli import main
 
@@ -171,6 +173,18 @@ def test_bench_writes_a_traceable_record(capsys, tiny_dir, tmp_path) -> None:
         )
     assert len(record["checkpoint_fingerprint"]) == 16 and record["git_commit"]
     assert record["dtype"] == "bfloat16" and "name" in record["device"]
+    ours = record["engines"]["deltaserve"]  # the memory roofline beside the decode rate
+    assert ours["bytes_per_token"] > 0 and record["memory_read_gbs"] > 0
+    assert ours["roofline_pct"] == pytest.approx(100 * ours["decode_tok_s"] * ours[
+        "bytes_per_token"] / (record["memory_read_gbs"] * 1e9))
+
+
+def test_bench_runs_on_the_default_model(tmp_path) -> None:
+    """Its vocabulary (8,192) is far smaller than Qwen3.5's: prompts must come from it."""
+    out_file = tmp_path / "bench.json"
+    assert main(["bench", "--prefill-lens", "32", "--decode-tokens", "4", "--repeats", "1",
+                 "--peer", "none", "--out", str(out_file)]) == 0
+    assert json.loads(out_file.read_text())["engines"]["deltaserve"]["decode_tok_s"] > 0
 
 
 def test_default_model_is_the_shipped_trained_one(capsys) -> None:

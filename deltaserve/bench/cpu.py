@@ -88,10 +88,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise DeltaserveError(
             "the peer needs transformers: pip install 'deltaserve[validate]' (or pass --peer none)"
         )
-    read_gbs = read_bandwidth_gbs()  # before the workers: they run alone
     engines = {"deltaserve": _worker("ours", model_dir, args)}
-    ours = engines["deltaserve"]
+    ours, read_gbs = engines["deltaserve"], None
     if "bytes_per_token" in ours:  # the share of the memory roofline decode reaches
+        read_gbs = read_bandwidth_gbs()  # after the worker: nothing else runs
         ours["roofline_pct"] = 100.0 * ours["decode_tok_s"] * ours["bytes_per_token"] / (
             read_gbs * 1e9)
     if args.peer == "transformers" and not getattr(args, "shared_prefix", 0):

@@ -36,10 +36,11 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = min(llm.config.vocab_size, 248044)  # ordinary tokens (Qwen3.5's specials start there)
     for n in lens:
-        ids = torch.randint(0, 248044, (n,), generator=gen).tolist()
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         out[f"prefill_{n}_tok_s"] = n / _median_s(lambda ids=ids: llm.generate([ids], one), repeats)
-    prompt = torch.randint(0, 248044, (16,), generator=gen).tolist()
+    prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     rates = [
         llm.generate([prompt], params)[0].metrics["decode_tok_s"]

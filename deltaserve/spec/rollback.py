@@ -10,8 +10,9 @@ Bit-identical to a run that never drafted, by construction, where every op a row
 gives the same bits whatever the other rows of its step are. On CPU that holds for: bf16 weights
 through the native GEMV / small GEMM (ops/gemv.py, rows <= SMALL_GEMM_MAX_ROWS: each row's dot
 products run in the same order), the native RMSNorm (rows <= ops/norm.NATIVE_MAX_ROWS), the fused
-GDN step (one slot per row), masked SDPA for the attention rows (measured: independent of batch
-and padded key width), elementwise ops and the head's GEMM (bf16). It does NOT hold for fp32
+GDN step (one slot per row), per-row attention (the native ds_attend_rows the one-call decode
+step runs; masked SDPA where that kernel cannot run, measured independent of batch and padded key
+width), elementwise ops and the head's GEMM (bf16). It does NOT hold for fp32
 weights (MKL's sgemv for one row and sgemm for several differ in the last bits), for steps of more
 than NATIVE_MAX_ROWS rows (torch's norm reduction) or on CUDA (cuBLAS picks kernels by M); there
 the verified logits differ from single decodes by rounding only, as a batch of decodes differs from

@@ -56,6 +56,7 @@ class Speculator:
         self._gates: dict[str, AdaptiveGate] = {}
         self.pace = PaceGate() if config.adaptive and config.pace else None
         self._paced: bool | None = None  # drafted or not, for a decode-only step being timed
+        self._paced_seqs = 1  # and its number of sequences
         self.mtp = None
         if config.method == "mtp":
             from deltaserve.spec.mtp import MTPDrafter
@@ -68,22 +69,23 @@ class Speculator:
     def draft(self, plan: StepPlan) -> StepPlan:
         """The plan with drafts appended to every eligible decode chunk (KV reserved for them);
         unchanged where the pace gate measured drafting not to pay (or probes without it)."""
-        decode_only = all(len(c.token_ids) == 1 for c in plan.chunks)
+        decode_only, num_seqs = all(len(c.token_ids) == 1 for c in plan.chunks), len(plan.chunks)
         self._paced = None
         if self.pace is not None:
-            wanted = self.pace.choose() if decode_only else self.pace.drafting
+            wanted = self.pace.choose(num_seqs) if decode_only else self.pace.drafting
             if not wanted:
                 self._paced = False if decode_only else None
                 return plan
         plan = self._append_drafts(plan)
         if self.pace is not None and decode_only:
             self._paced = any(c.num_draft for c in plan.chunks)
+        self._paced_seqs = num_seqs
         return plan
 
     def timed(self, num_tokens: int, seconds: float) -> None:
         """The engine's wall time of the step just run and the tokens it emitted."""
         if self._paced is not None:
-            self.pace.record(self._paced, num_tokens, seconds)
+            self.pace.record(self._paced, num_tokens, seconds, self._paced_seqs)
             self.stats.pace = self.pace.as_dict()
             self._paced = None
 

@@ -39,8 +39,17 @@ def test_a_winning_drafter_stays_on_and_a_slowdown_turns_it_off() -> None:
 def test_a_way_is_measured_before_it_is_judged() -> None:
     gate = PaceGate()
     assert [gate.choose() for _ in range(2)] == [True, True]  # drafts' first step is not a rate
-    gate.rates[True] = 10.0
+    gate.ways[1].rates[True] = 10.0
     assert gate.choose() is False
+
+
+def test_each_batch_size_is_judged_on_its_own_rates() -> None:
+    gate = PaceGate(probe_every=16, warmup_steps=8)
+    for _ in range(60):  # batch 8: drafting loses
+        d = gate.choose(8)
+        gate.record(d, 8 * (2 if d else 1), 0.01 * (4 if d else 1), 8)
+    assert not gate.ways[8].drafting
+    assert gate.choose(1) is True  # a single sequence starts unmeasured: drafts are tried
 
 
 def test_paced_engine_gives_the_same_tokens_and_reports_its_state(tiny_bf16_llm) -> None:
@@ -49,4 +58,4 @@ def test_paced_engine_gives_the_same_tokens_and_reports_its_state(tiny_bf16_llm)
     engine = make_engine(tiny_bf16_llm, SpeculativeConfig(num_speculative_tokens=3))
     assert run_all(engine, prompts, greedy(40)) == want
     pace = engine.spec.stats.as_dict()["pace"]
-    assert set(pace["tok_s"]) == {"draft", "plain"} and engine.spec.stats.num_drafts > 0
+    assert set(pace["tok_s"][1]) == {"draft", "plain"} and engine.spec.stats.num_drafts > 0

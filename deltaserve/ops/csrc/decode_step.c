@@ -91,13 +91,16 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 }
 
 // NeoX rotate-half on the first R dims; cos/sin [R] hold their halves repeated (layers/rotary.py).
-// No FMA contraction: x*cos and r*sin rounded apart, then added, bit for bit as torch's three ops.
-__attribute__((optimize("fp-contract=off"))) static void rope(float* x, const float* cos, const float* sin, long R) {
+// x*cos and r*sin rounded apart, then added, bit for bit as torch's three ops: the volatile
+// products cannot be contracted into an FMA by any compiler (a handful of values per head).
+static void rope(float* x, const float* cos, const float* sin, long R) {
   const long half = R / 2;
   for (long i = 0; i < half; i++) {
     const float lo = x[i], hi = x[i + half];
-    x[i] = lo * cos[i] + (-hi) * sin[i];
-    x[i + half] = hi * cos[i + half] + lo * sin[i + half];
+    volatile float a = lo * cos[i], b = (-hi) * sin[i];
+    volatile float c = hi * cos[i + half], d = lo * sin[i + half];
+    x[i] = a + b;
+    x[i + half] = c + d;
   }
 }
 
@@ -132,6 +135,7 @@ void ds_attend_rows(const float* q, long q_stride, const float* gate, long gate_
   long max_len = 1;
   for (long r = 0; r < rows; r++) max_len = lengths[r] > max_len ? lengths[r] : max_len;
   float* scores = malloc(sizeof(float) * max_len * rows * HQ);
+  if (scores == NULL) abort();  // out of memory: stop rather than write through NULL
   const long group = HQ / HKV;
 #pragma omp parallel for num_threads(threads) collapse(2) schedule(static) \
     if (max_len * rows * HQ > 4096)
