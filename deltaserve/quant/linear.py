@@ -18,7 +18,8 @@ from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
 from deltaserve.ops import triton_qgemm, triton_qgemv
-from deltaserve.ops.qgemv import dequantize_into, qgemm_rows, qgemv
+from deltaserve.ops.norm import _all_rows_native
+from deltaserve.ops.qgemv import dequantize_into, qgemm_max_rows, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
 # CPU: up to this many rows (a decode batch) each row takes the packed-code GEMV; above it the weight
@@ -26,6 +27,9 @@ from deltaserve.quant.schemes import Scheme, dequantize
 # vocabulary head 8 rows 114 ms vs 658 ms, 16 rows 340 vs 621, 32 rows 515 vs 544; the 7168-row
 # gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (BENCHMARKS.md, issue 5).
 CPU_GEMV_MAX_ROWS = 16
+# In steps without prefill chunks (ops/norm.native_rows) int8 decode rows go further, up to
+# ops/qgemv.QGEMM_MAX_ROWS, on the multi-row kernel; prefill chunks keep the limit above, so their
+# numerics never depend on this.
 
 
 def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
@@ -96,7 +100,10 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         flat = x.reshape(rows, x.shape[-1])
         out = triton_qgemm.qgemm_cuda(flat, packed(module), module.scheme)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-    max_rows = CPU_GEMV_MAX_ROWS if x.device.type == "cpu" else WIDEN_MIN_ROWS - 1
+    max_rows = WIDEN_MIN_ROWS - 1
+    if x.device.type == "cpu":  # decode-only steps: up to 32 int8 rows on the multi-row kernel
+        max_rows = max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(module.scheme) if _all_rows_native[0]
+                       else 0)
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))

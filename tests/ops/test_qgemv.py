@@ -159,3 +159,25 @@ def test_multi_row_int8_gemm_is_a_gemv_per_row_bit_for_bit(num_rows, rows, cols)
     assert got is not None, "the multi-row kernel did not run"
     want = torch.cat([qgemv(x[r : r + 1], packed, INT8) for r in range(num_rows)])
     assert torch.equal(got, want)
+
+
+def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:
+    """20 int8 rows: in a decode-only step (native_rows) each row gets its GEMV's bits through the
+    multi-row kernel; in a prefill chunk the weight is dequantized and the fp32 GEMM runs."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from deltaserve.ops.norm import native_rows
+    from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS, quant_linear
+
+    packed = packed_random(300, 256, INT8)
+    module = SimpleNamespace(weight=packed["weight"], scales=packed["scales"], scheme=INT8,
+                             in_cols=256)
+    x = torch.randn(CPU_GEMV_MAX_ROWS + 4, 256)
+    singles = torch.cat([qgemv(x[r : r + 1], packed, INT8) for r in range(x.shape[0])])
+    with native_rows():
+        assert torch.equal(quant_linear(x, module), singles)
+    prefill = quant_linear(x, module)
+    assert torch.allclose(prefill, F.linear(x, dequantize(packed, INT8)), rtol=1e-5, atol=1e-4)
+    assert not torch.equal(prefill, singles)  # activation rounding: the other path ran
