@@ -55,8 +55,8 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._gates: dict[str, AdaptiveGate] = {}
         self.pace = PaceGate() if config.adaptive and config.pace else None
-        self._paced: bool | None = None  # drafted or not, for a decode-only step being timed
-        self._paced_seqs = 1  # and its number of sequences
+        # (drafted or not, number of sequences) of a decode-only step being timed, else None
+        self._paced: tuple[bool, int] | None = None
         self.mtp = None
         if config.method == "mtp":
             from deltaserve.spec.mtp import MTPDrafter
@@ -74,18 +74,18 @@ class Speculator:
         if self.pace is not None:
             wanted = self.pace.choose(num_seqs) if decode_only else self.pace.drafting
             if not wanted:
-                self._paced = False if decode_only else None
+                self._paced = (False, num_seqs) if decode_only else None
                 return plan
         plan = self._append_drafts(plan)
         if self.pace is not None and decode_only:
-            self._paced = any(c.num_draft for c in plan.chunks)
-        self._paced_seqs = num_seqs
+            self._paced = (any(c.num_draft for c in plan.chunks), num_seqs)
         return plan
 
     def timed(self, num_tokens: int, seconds: float) -> None:
         """The engine's wall time of the step just run and the tokens it emitted."""
         if self._paced is not None:
-            self.pace.record(self._paced, num_tokens, seconds, self._paced_seqs)
+            drafted, num_seqs = self._paced
+            self.pace.record(drafted, num_tokens, seconds, num_seqs)
             self.stats.pace = self.pace.as_dict()
             self._paced = None
 

@@ -59,3 +59,19 @@ def test_paced_engine_gives_the_same_tokens_and_reports_its_state(tiny_bf16_llm)
     assert run_all(engine, prompts, greedy(40)) == want
     pace = engine.spec.stats.as_dict()["pace"]
     assert set(pace["tok_s"][1]) == {"draft", "plain"} and engine.spec.stats.num_drafts > 0
+
+
+def test_a_step_without_drafts_is_recorded_under_its_own_batch_size() -> None:
+    """The speculator hands the gate each timed step's number of sequences, skipped drafts too."""
+    from types import SimpleNamespace
+
+    from deltaserve.spec.verify import Speculator
+
+    spec = Speculator(SpeculativeConfig(), engine=None)
+    spec.pace.choose = lambda num_seqs: False  # drafting measured not to pay: no drafts
+    for num_seqs in (3, 3, 5):
+        plan = SimpleNamespace(chunks=[SimpleNamespace(token_ids=(1,))] * num_seqs)
+        assert spec.draft(plan) is plan
+        spec.timed(num_seqs, 0.01)
+    assert spec.pace.ways[3].num_seen == {True: 0, False: 2}
+    assert spec.pace.ways[5].num_seen == {True: 0, False: 1} and 1 not in spec.pace.ways
