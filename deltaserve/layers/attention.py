@@ -70,9 +70,11 @@ class GatedAttention(nn.Module):
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
         rows = batch.attend_rows() if batch.decode_tables is not None else None
-        gated = None if rows is None else paged_decode_attention_cpu(
-            q[0, :, rows].transpose(0, 1), gate[0, rows], batch.kv.k[layer], batch.kv.v[layer],
-            batch.decode_tables, batch.decode_lengths, scale)  # CPU: the native step's kernel
+        gated = None  # CPU: the native step's kernel (rows gathered only where it can run)
+        if rows is not None and q.device.type == "cpu":
+            gated = paged_decode_attention_cpu(
+                q[0, :, rows].transpose(0, 1), gate[0, rows], batch.kv.k[layer],
+                batch.kv.v[layer], batch.decode_tables, batch.decode_lengths, scale)
         if rows is not None and gated is None:  # one SDPA over all decode rows, padded keys masked
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather_batch(layer, batch.decode_tables))
             q_dec = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [BD,HQ,1,D]

@@ -116,20 +116,29 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     return out
 
 
-def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
-    """x [M,K] fp32 (CPU, a few decode or draft rows) -> [M,N] fp32: the same bits as M qgemv
-    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one);
-    None where no such kernel applies (then: a qgemv per row)."""
-    lib = native_lib()
-    if lib is None or env().reference_ops or x.device.type != "cpu" or scheme.kind != "int8":
+def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
+    """The multi-row int8 kernel where this shape's GEMV is the VNNI one (the rows then get its
+    bits), else None."""
+    if lib is None or env().reference_ops or scheme.kind != "int8":
         return None
-    w = p["weight"]
     vnni, multi = getattr(lib, "ds_gemv_q8_vnni", None), getattr(lib, "ds_gemm_q8_vnni", None)
-    if multi is None or _q8_fn(lib, w.shape[0], x.shape[-1], scheme.group_size) is not vnni:
+    if multi is None or _q8_fn(lib, n, k, scheme.group_size) is not vnni:
         return None
     if multi.argtypes is None:  # registered beside its one caller
         multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
         multi.restype = None
+    return multi
+
+
+def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
+    """x [M,K] fp32 (CPU, a few decode or draft rows) -> [M,N] fp32: the same bits as M qgemv
+    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one);
+    None where no such kernel applies (then: a qgemv per row)."""
+    w = p["weight"]
+    multi = None if x.device.type != "cpu" else _multi_row_kernel(native_lib(), scheme,
+                                                                  w.shape[0], x.shape[-1])
+    if multi is None:
+        return None
     w, s, x = w.contiguous(), p["scales"].contiguous(), x.float().contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     multi(w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0],
@@ -143,11 +152,6 @@ def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
 QGEMM_MAX_ROWS = 32
 
 
-def qgemm_max_rows(scheme: Scheme) -> int:
-    """How many CPU rows qgemm_rows takes for this scheme here (0: none, a GEMV per row)."""
-    lib = native_lib()
-    if lib is None or env().reference_ops or env().exact_int8_activations \
-            or scheme.kind != "int8" or scheme.group_size % 64 \
-            or getattr(lib, "ds_gemm_q8_vnni", None) is None:
-        return 0
-    return QGEMM_MAX_ROWS
+def qgemm_max_rows(scheme: Scheme, n: int, k: int) -> int:
+    """How many CPU rows qgemm_rows takes for an [n, k] weight here (0: none, a GEMV per row)."""
+    return QGEMM_MAX_ROWS if _multi_row_kernel(native_lib(), scheme, n, k) is not None else 0

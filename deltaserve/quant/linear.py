@@ -102,8 +102,8 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return out.reshape(*x.shape[:-1], out.shape[-1])
     max_rows = WIDEN_MIN_ROWS - 1
     if x.device.type == "cpu":  # decode-only steps: up to 32 int8 rows on the multi-row kernel
-        max_rows = max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(module.scheme) if _all_rows_native[0]
-                       else 0)
+        max_rows = max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(
+            module.scheme, module.weight.shape[0], module.in_cols) if _all_rows_native[0] else 0)
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def ours(model: str, threads: int) -> dict:
         subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
                         "bfloat16", "--prefill-lens", "512", "--decode-tokens", "128",
                         "--repeats", "3", "--peer", "none", "--out", f.name],
-                       check=True, capture_output=True, env=None)
+                       check=True, capture_output=True,
+                       env={**os.environ, "DELTASERVE_NUM_THREADS": str(threads)})
         rec = json.loads(Path(f.name).read_text())
     eng = rec["engines"]["deltaserve"]
     return {"prefill_512_tok_s": eng["prefill_512_tok_s"], "decode_tok_s": eng["decode_tok_s"],

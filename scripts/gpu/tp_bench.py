@@ -267,9 +267,8 @@ def main() -> None:
 def _speed(name: str, model_dir: Path, work: Path, opts: dict, runs: dict, pp: bool,
            wanted: list[str]) -> None:
     """TP=1, TP=2 (and PP=2) each in a fresh launch; greedy agreement with TP=1."""
-    layouts = [(label, tp, stages) for label, tp, stages in
-               [("tp1", 1, 1), ("tp2", 2, 1)] + ([("pp2", 1, 2)] if pp else [])
-               if label in wanted or label == "pp2"]
+    layouts = [layout for layout in [("tp1", 1, 1), ("tp2", 2, 1)] if layout[0] in wanted]
+    layouts += [("pp2", 1, 2)] if pp else []
     for label, tp, stages in layouts:
         path = work / f"{name}-{label}.json"
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from deltaserve.engine.sampling import SamplingParams
-from tests.server.helpers import free_port, running_server
+from tests.server.helpers import free_port, running_server, wait_healthy
 
 MODEL = "tiny"  # the served name: the checkpoint folder's
 PROMPTS = ["The quick brown fox", "def main():\n", "1, 2, 3, 4,", "Once upon a time"]
@@ -184,17 +184,11 @@ def test_a_dead_rank_ends_the_server(tiny_dir, tmp_path) -> None:
     procs = [subprocess.Popen(cmd, env={**os.environ, **rank_env(r, 2, rdzv, 1)},
                               stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
     base = f"http://127.0.0.1:{port}"
+    def alive() -> None:
+        assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(base, alive)
         procs[1].kill()
         procs[1].wait()
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}

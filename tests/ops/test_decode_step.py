@@ -63,7 +63,7 @@ def step(lm, states, kv, ids: list[int], start: int, fused: bool, monkeypatch) -
     return logits
 
 
-def compare(lm, monkeypatch, num_decode: int = 7) -> None:
+def assert_native_equals_layered(lm, monkeypatch, num_decode: int = 7) -> None:
     states, kv = pools(lm)
     prompt = [(17 * i + 5) % lm.cfg.vocab_size for i in range(6)]
     step(lm, states, kv, prompt, 0, False, monkeypatch)
@@ -84,7 +84,7 @@ def compare(lm, monkeypatch, num_decode: int = 7) -> None:
 
 
 def test_bf16_weights_match_the_layered_path(tiny_dir, monkeypatch) -> None:
-    compare(LLM(tiny_dir, dtype="bfloat16").model, monkeypatch)
+    assert_native_equals_layered(LLM(tiny_dir, dtype="bfloat16").model, monkeypatch)
 
 
 @pytest.fixture(scope="module", params=["int8", "int4", "q1"])
@@ -98,7 +98,7 @@ def quantized_dir(request, tmp_path_factory, tiny_dir):
 def test_quantized_weights_match_the_layered_path(quantized_dir, exact_int8, monkeypatch) -> None:
     monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact_int8)  # int8: VNNI and fp32 kernels
     env.cache_clear()
-    compare(LLM(quantized_dir, dtype="float32").model, monkeypatch)
+    assert_native_equals_layered(LLM(quantized_dir, dtype="float32").model, monkeypatch)
 
 
 def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:

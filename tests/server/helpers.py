@@ -20,6 +20,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, check_alive, ready_status: int = 200, timeout_s: float = 120) -> None:
+    """Polls base/health until it answers ready_status; check_alive() raises if the server died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check_alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not come up")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == ready_status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_server(*args: str, env: dict[str, str] | None = None, ready_status: int = 200):
     """`deltaserve serve ARGS` on a free loopback port, up (its /health answers ready_status)
@@ -29,19 +44,13 @@ def running_server(*args: str, env: dict[str, str] | None = None, ready_status: 
                              *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited: " + proc.stdout.read())
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited: " + proc.stdout.read())
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not come up")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == ready_status:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(base, alive, ready_status)
         yield base, proc
     finally:
         proc.terminate()

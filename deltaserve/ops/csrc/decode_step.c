@@ -185,12 +185,29 @@ static void add_into(float* x, const float* t, long n) {
   for (long i = 0; i < n; i++) x[i] += t[i];
 }
 
+typedef struct {  // one decode token's scratch vectors
+  float *h, *t, *proj, *o, *qk, *gu, *act;
+} DsWork;
+
+// The scratch layout, carved from `base` (NULL: only counted); returns the floats it takes.
+static long carve(const DsModel* m, float* base, DsWork* w) {
+  const long N = m->hidden, D = m->head_dim, VD = m->hv * m->dv, AD = m->hq * D;
+  const long gdn = 2 * m->hk * m->dk + 2 * VD + 2 * m->hv, att = 2 * AD + 2 * m->hkv * D;
+  const long sizes[7] = {N, N, gdn > att ? gdn : att, AD > VD ? AD : VD, AD + m->hkv * D,
+                         2 * m->inter, m->inter};  // h, t, proj, o, qk, gu, act
+  float** slots[7] = {&w->h, &w->t, &w->proj, &w->o, &w->qk, &w->gu, &w->act};
+  long used = 0;
+  for (int i = 0; i < 7; i++) {
+    if (base != NULL) *slots[i] = base + used;
+    used += sizes[i];
+  }
+  return used;
+}
+
 // work: at least ds_decode_work_floats(m) floats
 long ds_decode_work_floats(const DsModel* m) {
-  const long gdn = 2 * m->hk * m->dk + 2 * m->hv * m->dv + 2 * m->hv;
-  const long att = 2 * m->hq * m->head_dim + 2 * m->hkv * m->head_dim;
-  const long proj = gdn > att ? gdn : att;
-  return 3 * m->hidden + proj + 2 * (m->hq * m->head_dim + m->hv * m->dv) + 3 * m->inter + 64;
+  DsWork unused;
+  return carve(m, NULL, &unused);
 }
 
 // x [hidden]: the token's input embedding in, the final-normed hidden state out. Layer i's state
@@ -200,15 +217,10 @@ void ds_decode_token(const DsModel* m, const DsLayer* layers, float* x, long slo
                      const long* table, const float* cos, const float* sin, float* work,
                      int threads) {
   const long N = m->hidden, I = m->inter;
-  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD, AD = m->hq * m->head_dim;
-  float* h = work;
-  float* t = h + N;
-  float* proj = t + N;
-  const long gdn = C + VD + 2 * m->hv, att = 2 * AD + 2 * m->hkv * m->head_dim;
-  float* o = proj + (gdn > att ? gdn : att);
-  float* qk = o + (AD > VD ? AD : VD);
-  float* gu = qk + AD + m->hkv * m->head_dim;
-  float* act = gu + 2 * I;
+  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD;
+  DsWork w;
+  carve(m, work, &w);
+  float *h = w.h, *t = w.t, *proj = w.proj, *o = w.o, *qk = w.qk, *gu = w.gu, *act = w.act;
   for (long i = 0; i < m->num_layers; i++) {
     const DsLayer* L = layers + i;
     ds_rmsnorm(x, L->in_norm, h, 1, N, m->eps, 1.f, 1);
