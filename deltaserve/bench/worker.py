@@ -166,27 +166,32 @@ def _transformers(
     return out
 
 
-def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str = "cpu") -> dict:
-    """Time to first token of a request whose first `prefix_len` tokens (a shared system prompt)
-    another request already ran, with the prefix cache on (hit) and off (miss), same prompt."""
+def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str = "cpu",
+                       repeats: int = 5) -> dict:
+    """Time to first token of requests whose first `prefix_len` tokens (a shared system prompt)
+    another request already ran, with the prefix cache on (hit) and off (miss): the same
+    `repeats` prompts (one system prompt, different 40-token questions) both ways; medians."""
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    gen = torch.Generator().manual_seed(2)
-    out = {"prefix_len": prefix_len}
+    out: dict = {"prefix_len": prefix_len, "repeats": repeats}
     for name, budget in (("miss", 0), ("hit", 4 << 30)):
+        gen = torch.Generator().manual_seed(2)  # the same prompts for both runs
         llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=budget)
         vocab = llm.config.vocab_size
         warm = torch.randint(0, vocab, (prefix_len + 40,), generator=torch.Generator().manual_seed(9))
         llm.generate([warm.tolist()], one)  # first-use costs (allocator, kernels) out of the timing
         system = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
         llm.generate([system + [11, 12, 13]], one)  # the first user of the system prompt
-        question = torch.randint(0, llm.config.vocab_size, (40,), generator=gen).tolist()
-        t0 = time.perf_counter()
-        llm.generate([system + question], one)
-        out[f"ttft_{name}_s"] = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(2)  # the same prompts for both runs
+        times = []
+        for _ in range(repeats):
+            question = torch.randint(0, vocab, (40,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            llm.generate([system + question], one)
+            times.append(time.perf_counter() - t0)
+        out[f"ttft_{name}_s"] = statistics.median(times)
+        out[f"ttft_{name}_all_s"] = times
         del llm
     out["speedup"] = out["ttft_miss_s"] / out["ttft_hit_s"]
     return out

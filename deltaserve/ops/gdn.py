@@ -159,6 +159,19 @@ def fla_usable(q: torch.Tensor) -> bool:
             and importlib.util.find_spec("fla") is not None)
 
 
+SCAN_MAX_TOKENS = 128  # CUDA: chunks up to this many tokens take the one-launch recurrent scan
+
+
+def scan_kernel_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """ops/triton_gdn_scan for a short chunk on CUDA (triton backend): one launch per layer where
+    fla's kernel costs ~0.7 ms of host time (SCAN_MAX_TOKENS: scripts/gpu/scan_tune.py)."""
+    from deltaserve.env import env
+    from deltaserve.ops.backend import triton_enabled
+
+    return (q.is_cuda and q.shape[1] <= SCAN_MAX_TOKENS and v.shape[-1] % 32 == 0
+            and not env().reference_ops and triton_enabled())
+
+
 def gdn_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None,
@@ -168,12 +181,27 @@ def gdn_prefill(
     written). Returns (o [B,T,HV,V], final state fp32); on_boundary(n, state) is called at least
     at each n in `stops` (token counts, sorted, in (0, T]).
 
-    fla-core's kernel where fla_usable (one call per segment between stops), else gdn_chunked."""
+    Short chunks on CUDA: the recurrent Triton scan; longer 16-bit ones: fla-core's stages
+    (ops/fla_scan, one pass over all segments between stops); else gdn_chunked."""
+    if scan_kernel_usable(q, v):
+        from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
+
+        return gdn_scan_cuda(q, k, v, g, beta, state, stops, on_boundary)
     repeat = v.shape[2] // q.shape[2]
     if not fla_usable(q):
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         return gdn_chunked(q, k, v, g, beta, state, qk_l2norm=True, on_boundary=on_boundary)
+    from deltaserve.ops.fla_scan import fla_prefill, stages_available
+
+    if stages_available():
+        return fla_prefill(q, k, v, g, beta, state, stops, on_boundary)
+    return fla_public_prefill(q, k, v, g, beta, state, stops, on_boundary)
+
+
+def fla_public_prefill(q, k, v, g, beta, state, stops=(), on_boundary=None):
+    """fla-core's public chunk kernel, one call per segment between stops (fla versions whose
+    stage functions ops/fla_scan cannot import; and the comparison in its tests)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     seq_len, outs, start, s = q.shape[1], [], 0, state

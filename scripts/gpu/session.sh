@@ -7,6 +7,8 @@
 #   bash scripts/gpu/session.sh ours    # the 0.8B bench and the batch bench without the peers
 #   bash scripts/gpu/session.sh vision  # the MiniCPM-V tower vs transformers, TTFT through serve
 #   bash scripts/gpu/session.sh spec    # speculative decoding: tests/spec, then spec_bench.py
+#   bash scripts/gpu/session.sh ttft    # short-prefill host cost: scan_tune, ttft_profile, the 4k
+#                                       # prefix-cache TTFT, the image question's TTFT via serve
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -64,5 +66,16 @@ vision)  # issue 8: the MiniCPM-V tower vs transformers (bf16, real shape), then
     ckpt minicpm-v-4.6 /tmp/mcv
     python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --out "$OUT/vision-ttft.json" \
         2>&1 | quiet 6
+    ;;
+ttft)
+    python3 scripts/gpu/scan_tune.py --lens 16,40,64,89,128,192,256,512,4096 \
+        --out "$OUT/scan-tune.json" 2>&1 | quiet 30
+    python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v "^    {" | quiet 6
+    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
+shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
+print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet 12
     ;;
 esac

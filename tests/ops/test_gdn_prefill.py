@@ -62,3 +62,33 @@ def test_fla_path_matches_the_fp32_scan(stops) -> None:
     assert set(got) == set(stops)
     for n in stops:
         assert rel(got[n], seen[n]) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("stops", [(), (64, 128, 200), (40, 104, 168), (32, 64, 96, 160)])
+def test_fla_stage_driver_matches_one_public_call_per_segment(stops) -> None:
+    """ops/fla_scan (one pass per stage; with stops, an fp32 state pass whose stored chunk states
+    are the snapshots) against the fp32 scan, at least as close as fla's public call per segment
+    (the path it replaced); stops off fla's 64-token grid start a new call."""
+    from deltaserve.ops.fla_scan import fla_prefill, stages_available
+    from deltaserve.ops.gdn import fla_public_prefill
+
+    assert stages_available()
+    q, k, v, g, beta, state = _inputs("cuda", torch.bfloat16)
+    got, old = {}, {}
+    o, final = fla_prefill(q, k, v, g, beta, state.clone(), stops,
+                           lambda n, s: got.setdefault(n, s.clone()))
+    old_o, old_final = fla_public_prefill(q, k, v, g, beta, state.clone(), stops,
+                                          lambda n, s: old.setdefault(n, s.clone()))
+    ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert set(got) == set(old) == set(stops)
+    pairs = [(o, old_o, ref_o), (final, old_final, ref_final)]
+    pairs += [(got[n], old[n], seen[n]) for n in stops]
+    for new, before, ref in pairs:
+        assert rel(new, ref) <= 1.5 * rel(before, ref) + 1e-3 and rel(new, ref) <= 2e-2
