@@ -89,13 +89,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                gens: list[torch.Generator | None]) -> list[int]:
-    """sample() for every row of logits [R, vocab] at once: the filters run on all rows together
-    (row-wise ops, so each row gets exactly sample()'s numbers), each row draws from its own
-    generator, and the tokens come back in one device-to-host copy instead of one per row."""
-    if any(p.greedy for p in params):
-        raise ValueError("sample_rows takes sampling rows only; greedy rows are one argmax")
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row i of logits [R, vocab] after params[i]'s temperature, top-k, min-p and top-p: the
+    distribution sample() draws from, unnormalized (filtered entries 0). Row-wise ops only."""
     device = logits.device
     col = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)[:, None]  # noqa: E731
     x = logits.float() / col([p.temperature for p in params])
@@ -117,6 +113,17 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         drop = sorted_probs.cumsum(-1) - sorted_probs > col(top_ps)
         nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
         probs = torch.where(col(top_ps) < 1, nucleus, probs)
+    return probs
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                gens: list[torch.Generator | None]) -> list[int]:
+    """sample() for every row of logits [R, vocab] at once: the filters run on all rows together
+    (row-wise ops, so each row gets exactly sample()'s numbers), each row draws from its own
+    generator, and the tokens come back in one device-to-host copy instead of one per row."""
+    if any(p.greedy for p in params):
+        raise ValueError("sample_rows takes sampling rows only; greedy rows are one argmax")
+    probs = filtered_probs(logits, params)
     draws = [torch.multinomial(probs[i] / probs[i].sum(), 1, generator=gens[i])
              for i in range(len(params))]
     return torch.cat(draws).tolist()

@@ -10,7 +10,7 @@ from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gdn_gates, gdn_prefill
+from deltaserve.ops.gdn import gdn_gates, gdn_prefill, scan_kernel_usable
 from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_slots
 
 
@@ -72,9 +72,16 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
         k = k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
         v = v.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
-        o, final = gdn_prefill(q, k, v, g, beta, recurrent, stops, on_boundary)
-        recurrent.copy_(final)
+        in_place = recurrent.dtype == torch.float32 and recurrent.is_contiguous()
+        if in_place and scan_kernel_usable(q, v):  # one launch: gates, scan, state in place
+            from deltaserve.ops.triton_gdn_scan import gdn_scan_gated_cuda
+
+            o = gdn_scan_gated_cuda(q, k, v, a, b, self.A_log, self.dt_bias, recurrent, stops,
+                                    on_boundary)
+        else:
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
+            o, final = gdn_prefill(q, k, v, g, beta, recurrent, stops, on_boundary)
+            recurrent.copy_(final)
         z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
         o = self.norm(o, z, dtype).reshape(bsz, seq_len, self.value_dim)
         return o, conv_window

@@ -99,3 +99,9 @@ def from_cli(method: str | None, num_tokens: int | None, config_json: str | None
         raise RequestError("speculative decoding needs a method: --speculative ngram|mtp")
     SpeculativeConfig.from_value(config)  # a bad value fails here, before any model loads
     return config
+
+
+def draftable(live) -> bool:
+    """A live request drafts unless it asks for logprobs (those come from plain decode rows);
+    greedy and sampling requests both do (spec/sampled.py for the latter)."""
+    return live is not None and live.params.logprobs is None

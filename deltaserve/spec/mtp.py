@@ -29,6 +29,7 @@ from deltaserve.errors import CheckpointError
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.models.qwen3_5 import DecoderLayer
+from deltaserve.spec.config import draftable
 
 
 class MTPBlock(nn.Module):
@@ -116,12 +117,11 @@ class MTPDrafter:
         track.draft = int(model._head(out[0, -1:]).argmax(-1))
 
     def observe(self, plan, engine) -> None:
-        """After a step: feed the block each greedy request's newly computed positions."""
+        """After a step: feed the block each drafting request's newly computed positions."""
         hidden, at = self.model.last_hidden, 0
         for c in plan.chunks:
             span, at = (at, at + len(c.token_ids)), at + len(c.token_ids)
-            live = engine.live(c.request_id)
-            if live is None or not live.params.greedy or live.params.logprobs is not None:
+            if not draftable(engine.live(c.request_id)):
                 continue
             req = engine.scheduler.get(c.request_id)
             num_new = req.num_computed - c.start_pos  # accepted rows of a verify chunk

@@ -9,8 +9,10 @@ ones are undone: the GDN states roll back (spec/rollback.py) and the request's K
 (cache/manager.truncate). Verify chunks never take prefix snapshots, so no cached state ever holds
 a rejected draft.
 
-Greedy only: a request that samples (temperature > 0) or asks for logprobs decodes as usual,
-without drafts (exact rejection sampling is not implemented).
+A request that samples (temperature > 0) gets drafts too, accepted by exact speculative sampling
+(spec/sampled.py: each emitted token distributed as plain sampling would draw it). A request that
+asks for logprobs decodes as usual, without drafts. Drafts never take the step past the
+scheduler's token budget (max_num_batched_tokens).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import dataclasses
 import torch
 
 from deltaserve.engine.scheduler import ScheduledChunk, StepPlan
-from deltaserve.spec.config import SpeculativeConfig
+from deltaserve.spec.config import SpeculativeConfig, draftable
 from deltaserve.spec.ngram import AdaptiveGate, propose_ngram
 from deltaserve.spec.pace import PaceGate
+from deltaserve.spec.sampled import accept_sampled
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,23 +94,25 @@ class Speculator:
 
     def _append_drafts(self, plan: StepPlan) -> StepPlan:
         chunks, changed = [], False
+        budget = self.engine.scheduler.config.max_num_batched_tokens - plan.num_tokens
         for c in plan.chunks:
-            num = self._num_drafts(c)
+            num = min(self._num_drafts(c), max(budget, 0))
             drafts = self._propose(c.request_id, num) if num else []
             if drafts and self.engine.cache.reserve(c.request_id, c.start_pos + 1 + len(drafts)):
                 c = dataclasses.replace(c, token_ids=c.token_ids + tuple(drafts),
                                         num_draft=len(drafts))
+                budget -= len(drafts)
                 changed = True
             chunks.append(c)
         return dataclasses.replace(plan, chunks=tuple(chunks)) if changed else plan
 
     def _num_drafts(self, c: ScheduledChunk) -> int:
-        """Drafts this decode chunk may carry: 0 unless greedy, no logprobs, gate open; never past
-        the request's last token nor the KV pool."""
+        """Drafts this decode chunk may carry: 0 with logprobs or the gate closed; never past the
+        request's last token nor the KV pool."""
         if len(c.token_ids) != 1 or not c.sample:
             return 0
         live = self.engine.live(c.request_id)
-        if live is None or not live.params.greedy or live.params.logprobs is not None:
+        if not draftable(live):
             return 0
         gate = self._gates.get(c.request_id)
         if gate is not None and not gate.enabled:
@@ -146,10 +151,15 @@ class Speculator:
                 continue
             chunk = plan.chunks[chunk_of[rid]]
             drafts = chunk.token_ids[1:]
-            num_ok = 0
-            while num_ok < len(drafts) and drafts[num_ok] == target[num_ok]:
-                num_ok += 1
-            out[rid] = tuple(drafts[:num_ok]) + (target[num_ok],)
+            live = self.engine.live(rid)
+            if live.params.greedy:
+                num_ok = 0
+                while num_ok < len(drafts) and drafts[num_ok] == target[num_ok]:
+                    num_ok += 1
+                last = target[num_ok]
+            else:  # exact speculative sampling over the chunk's logits rows
+                num_ok, last = accept_sampled(rows[at - n : at], drafts, live.params, live.gen)
+            out[rid] = tuple(drafts[:num_ok]) + (last,)
             self._count(rid, len(drafts), num_ok)
             if num_ok < len(drafts):  # keep t0 and the accepted drafts: num_ok + 1 positions
                 rollback[chunk_of[rid]] = num_ok + 1

@@ -73,3 +73,27 @@ def test_strided_projection_views_are_read_in_place() -> None:
     o, final = gdn_scan_cuda(*views, g, beta, state)
     o_ref, final_ref = gdn_scan_cuda(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, state)
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_gated_form_equals_gates_then_scan_and_updates_state_in_place() -> None:
+    """The layer's one-launch form: gates from raw a, b views (strided, as the input projection's
+    split gives them) and the state written in place, against gdn_gates + the plain scan."""
+    from deltaserve.ops.gdn import gdn_gates
+    from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda, gdn_scan_gated_cuda
+
+    q, k, v, _, _, state = _inputs(33, torch.bfloat16, seed=9)
+    gen = torch.Generator().manual_seed(1)
+    proj = (torch.randn(1, 33, 8 + 2, generator=gen) * 3).to(KDEV).bfloat16()  # [.., b | a | more]
+    b, a = proj[..., :4], proj[..., 4:8]
+    a_log = torch.randn(4, generator=gen).to(KDEV)
+    dt_bias = torch.randn(4, generator=gen).to(KDEV)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    want_o, want_state = gdn_scan_cuda(q, k, v, g, beta, state, (16,))
+    live = state.clone()
+    got = {}
+    o = gdn_scan_gated_cuda(q, k, v, a, b, a_log, dt_bias, live, (16,),
+                            lambda n, s: got.setdefault(n, s.clone()))
+    assert rel(o, want_o) <= 1e-6 and rel(live, want_state) <= 1e-6
+    assert list(got) == [16]
+    with pytest.raises(ValueError):
+        gdn_scan_gated_cuda(q, k, v, a, b, a_log, dt_bias, state.transpose(-1, -2))

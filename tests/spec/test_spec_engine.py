@@ -75,13 +75,48 @@ def test_adaptive_switches_a_losing_request_off(tiny_bf16_llm) -> None:
     assert off.spec.stats.num_draft_tokens > 40
 
 
-def test_sampling_and_logprobs_requests_never_draft(tiny_bf16_llm) -> None:
+def test_logprobs_requests_never_draft(tiny_bf16_llm) -> None:
     engine = make_engine(tiny_bf16_llm, SpeculativeConfig(adaptive=False))
-    prompts = {"r": [7, 8, 9] * 10}
-    run_all(engine, prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=12))
     run_all(engine, {"s": [7, 8, 9] * 10},
             SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True))
     assert engine.spec.stats.num_drafts == 0
+
+
+def test_sampling_requests_draft_exactly(tiny_bf16_llm) -> None:
+    """Sampling with top_k=1 is greedy decoding in disguise, so exact speculative sampling must
+    give the greedy tokens whatever is drafted (a right draft passes with probability 1, a wrong
+    one never, and the residual is the argmax); a seeded request repeats itself."""
+    prompts = {"a": [7, 8, 9] * 10, "b": list(range(30, 70))}
+    want = run_all(make_engine(tiny_bf16_llm), prompts, greedy(24))
+    top1 = SamplingParams(temperature=0.9, top_k=1, seed=3, max_tokens=24, ignore_eos=True)
+    for proposer in (None, lambda rid, num: [1] * num):  # n-gram drafts, then always-wrong ones
+        engine = make_engine(tiny_bf16_llm, SpeculativeConfig(adaptive=False))
+        if proposer is not None:
+            engine.spec._propose = proposer
+        assert run_all(engine, prompts, top1) == want
+        assert engine.spec.stats.num_drafts > 0
+    hot = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(tiny_bf16_llm, SpeculativeConfig(adaptive=False))
+        engine.spec._propose = lambda rid, num, e=engine: e.scheduler.get(rid).all_ids[-num:]
+        runs.append(run_all(engine, prompts, hot))
+        assert engine.spec.stats.num_drafts > 0
+    assert runs[0] == runs[1]
+
+
+def test_drafts_stay_within_the_token_budget(tiny_bf16_llm) -> None:
+    """Sixteen decoding requests with 4 drafts each would want 80 rows; the budget is 64."""
+    engine = make_engine(tiny_bf16_llm, SpeculativeConfig(num_speculative_tokens=4,
+                                                          adaptive=False), num_slots=16, budget=64)
+    engine.spec._propose = lambda rid, num: [1] * num
+    sizes = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan, *a, **kw: (sizes.append(plan.num_tokens),
+                                                    execute(plan, *a, **kw))[1]
+    prompts = {f"r{i}": list(range(10 + i, 16 + i)) for i in range(16)}
+    run_all(engine, prompts, greedy(12))
+    assert max(sizes) == 64 and engine.spec.stats.num_drafts > 0
 
 
 def test_prefix_snapshots_never_hold_drafts(tiny_bf16_llm) -> None:
