@@ -9,6 +9,7 @@ queue), then StepOutputs until one is finished, or an EngineDead if the loop fai
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -67,9 +68,11 @@ class Counters:
 
 class EngineDriver:
     def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None,
-                 mirror=None) -> None:
+                 mirror=None, executor: concurrent.futures.Executor | None = None) -> None:
         """mirror: distributed.serve.Mirror under `serve --tp`: every batch of commands this
-        loop applies goes to the other ranks first (they step whenever this loop steps)."""
+        loop applies goes to the other ranks first (they step whenever this loop steps).
+        executor: a one-thread executor to run the loop on; give the one the model was loaded on
+        (server/host.py says why)."""
         self.engine, self.idle_wait_s, self.mirror = engine, idle_wait_s, mirror
         self.counters = counters or Counters()
         self.error: str | None = None
@@ -81,10 +84,16 @@ class EngineDriver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+        self._done: concurrent.futures.Future | None = None  # the loop's run on `executor`
+        self._executor = executor
         self.last_event_at = 0.0  # when a request last got tokens or finished (idle unload)
 
     def start(self) -> None:
-        self._thread.start()
+        """On `executor` (the thread that loaded the model) when given, else on a new thread."""
+        if self._executor is not None:
+            self._done = self._executor.submit(self._run)
+        else:
+            self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Let in-flight requests finish (up to timeout_s), then end the loop."""
@@ -93,11 +102,15 @@ class EngineDriver:
             time.sleep(0.05)
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5.0)
+        if self._done is not None:
+            concurrent.futures.wait([self._done], timeout=5.0)
+        else:
+            self._thread.join(timeout=5.0)
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        running = (self._done is not None and not self._done.done()) or self._thread.is_alive()
+        return self.error is None and running
 
     @property
     def num_open(self) -> int:

@@ -82,6 +82,29 @@ def test_idle_unload_frees_the_model_and_the_next_request_reloads_it() -> None:
         assert _metric(base, "vllm:generation_tokens_total") >= 12 + 40 + 12  # across loads
 
 
+def test_the_engine_steps_on_the_thread_that_loaded_the_model() -> None:
+    """CPU torch keeps one OpenMP team per calling thread; a second team (loader, then engine)
+    made every engine step 2-2.7x slower (host.py), so both run on one thread."""
+    seen: dict[str, set[int]] = {"load": set(), "step": set()}
+
+    def load():
+        seen["load"].add(threading.get_ident())
+        llm = _llm()
+        forward = llm.model.forward_batch
+
+        def spy(*args, **kw):
+            seen["step"].add(threading.get_ident())
+            return forward(*args, **kw)
+
+        llm.model.forward_batch = spy
+        return llm
+
+    with app_server(build_app(served_name=NAME, load=load)) as base:
+        _wait_health(base, "ok")
+        assert httpx.post(f"{base}/v1/completions", json=PROMPT, timeout=60).status_code == 200
+    assert len(seen["load"]) == 1 and seen["step"] == seen["load"]
+
+
 def _wait_health(base: str, status: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
