@@ -68,7 +68,7 @@ vision)  # issue 8: the MiniCPM-V tower vs transformers (bf16, real shape), then
         2>&1 | quiet 6
     ;;
 ttft)
-    python3 scripts/gpu/scan_tune.py --lens 16,40,64,89,128,192,256,512,4096 \
+    python3 scripts/gpu/scan_tune.py --lens 40,128,256,4096 \
         --out "$OUT/scan-tune.json" 2>&1 | quiet 30
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v "^    {" | quiet 6
     python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
