@@ -82,10 +82,20 @@ def test_idle_unload_frees_the_model_and_the_next_request_reloads_it() -> None:
         assert _metric(base, "vllm:generation_tokens_total") >= 12 + 40 + 12  # across loads
 
 
-def test_the_engine_steps_on_the_thread_that_loaded_the_model() -> None:
-    """CPU torch keeps one OpenMP team per calling thread; a second team (loader, then engine)
-    made every engine step 2-2.7x slower (host.py), so both run on one thread."""
+def test_the_engine_steps_on_the_thread_that_loaded_the_model(monkeypatch) -> None:
+    """CPU torch keeps one OpenMP team per calling thread; a second team (the loader's, the event
+    loop's zeroing the engine's state slots, the engine's) made every engine step 2-2.7x slower
+    (host.py), so the load, the engine's pools and its steps all run on one thread."""
+    from deltaserve.cache.pools import StatePool
+
     seen: dict[str, set[int]] = {"load": set(), "step": set()}
+    reset = StatePool.reset
+
+    def spied_reset(self, slot):
+        seen["step"].add(threading.get_ident())
+        return reset(self, slot)
+
+    monkeypatch.setattr(StatePool, "reset", spied_reset)
 
     def load():
         seen["load"].add(threading.get_ident())
