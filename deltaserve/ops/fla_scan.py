@@ -69,6 +69,7 @@ def fla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     q, _ = l2norm(q.contiguous())
     k, _ = l2norm(k.contiguous())
     v, g = v.contiguous(), g.float().contiguous()
+    state = state.float().contiguous()  # the state pass indexes its initial state as contiguous
     beta = beta.to(q.dtype).contiguous()
     seq_len = q.shape[1]
     cuts = sorted(n for n in set(stops) if 0 < n < seq_len)

@@ -168,8 +168,9 @@ def scan_kernel_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
     from deltaserve.env import env
     from deltaserve.ops.backend import triton_enabled
 
+    k_dim = q.shape[-1]
     return (q.is_cuda and q.shape[1] <= SCAN_MAX_TOKENS and v.shape[-1] % 32 == 0
-            and not env().reference_ops and triton_enabled())
+            and k_dim & (k_dim - 1) == 0 and not env().reference_ops and triton_enabled())
 
 
 def gdn_prefill(

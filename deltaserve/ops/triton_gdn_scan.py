@@ -78,7 +78,7 @@ def gdn_scan_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     h // (HV/H)), v [B,T,HV,V], any float dtype; g, beta [B,T,HV] fp32; state [B,HV,K,V] fp32 (read,
     not written). Returns (o [B,T,HV,V] fp32, final state); on_boundary(n, state) at each n in
     `stops` (0 < n <= T), with the fp32 state after token n."""
-    final = torch.empty_like(state, dtype=torch.float32)
+    final = torch.empty(state.shape, dtype=torch.float32, device=state.device)
     gates = (g.float().contiguous(), beta.float().contiguous())
     out = _launch(q, k, v, gates, None, state.float().contiguous(), final, stops, on_boundary)
     return out, final
@@ -108,7 +108,7 @@ def _launch(q, k, v, gates, raw, state_in, state_out, stops, on_boundary) -> tor
     bsz, seq_len, num_k_heads, k_dim = q.shape
     num_heads, v_dim = v.shape[2], v.shape[3]
     q, k, v = _token_rows(q), _token_rows(k), _token_rows(v)
-    wanted = [n for n in stops if 0 < n <= seq_len]
+    wanted = sorted({n for n in stops if 0 < n <= seq_len})
     out = torch.empty(bsz, seq_len, num_heads, v_dim, dtype=torch.float32, device=q.device)
     snap_at = snaps = out  # placeholders the kernel never reads without HAS_SNAPS
     if wanted:
@@ -128,6 +128,6 @@ def _launch(q, k, v, gates, raw, state_in, state_out, stops, on_boundary) -> tor
         num_heads // num_k_heads, K=k_dim, V=v_dim, BLOCK_V=block_v, GATED=raw is not None,
         HAS_SNAPS=bool(wanted), num_warps=4)
     if on_boundary is not None:
-        for i, n in enumerate(wanted):
-            on_boundary(n, snaps[i])
+        for i, n in enumerate(wanted):  # each its own tensor: the prefix cache counts its bytes
+            on_boundary(n, snaps[i].clone())
     return out

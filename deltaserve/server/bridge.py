@@ -66,6 +66,37 @@ class Counters:
     unloaded_totals: dict[str, int] = field(default_factory=dict)
 
 
+class ModelThread(concurrent.futures.Executor):
+    """One daemon thread running submitted calls in order (the model's load, its engine's build,
+    then the engine loop: server/host.py says why one thread). A daemon, unlike a
+    ThreadPoolExecutor worker, so a loop that was never stopped cannot hold the process at exit."""
+
+    def __init__(self, name: str = "deltaserve-model") -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # the caller sees it through the future
+                future.set_exception(exc)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+
 class EngineDriver:
     def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None,
                  mirror=None, executor: concurrent.futures.Executor | None = None) -> None:
@@ -92,6 +123,7 @@ class EngineDriver:
         """On `executor` (the thread that loaded the model) when given, else on a new thread."""
         if self._executor is not None:
             self._done = self._executor.submit(self._run)
+            self._done.add_done_callback(self._ended)
         else:
             self._thread.start()
 
@@ -106,6 +138,12 @@ class EngineDriver:
             concurrent.futures.wait([self._done], timeout=5.0)
         else:
             self._thread.join(timeout=5.0)
+
+    def _ended(self, done: concurrent.futures.Future) -> None:
+        """The loop's run on the executor ended: an exception that escaped it is the error."""
+        if not done.cancelled() and done.exception() is not None and self.error is None:
+            exc = done.exception()
+            self.error = f"{type(exc).__name__}: {exc}"
 
     @property
     def alive(self) -> bool:

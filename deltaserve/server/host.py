@@ -9,13 +9,12 @@ handler runs. A streamed response outlives its handler; the driver's open stream
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import gc
 import time
 from collections.abc import Callable
 
-from deltaserve.server.bridge import Counters, EngineDriver
+from deltaserve.server.bridge import Counters, EngineDriver, ModelThread
 from deltaserve.server.errors import ApiError
 
 LOADING, READY, UNLOADED, FAILED = "loading", "ready", "unloaded", "failed"
@@ -47,8 +46,7 @@ class ModelHost:
         # loader's, the event loop's zeroing the engine's pools, then the engine's), libgomp stops
         # its workers spinning between ops (more threads than cores), and every op pays a futex
         # wake-up: engine steps measured 2-2.7x slower, native decode calls 1.5x.
-        self._model_thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="deltaserve-model")
+        self._model_thread = ModelThread()
 
     # ---- lifespan ----
 

@@ -102,6 +102,10 @@ def from_cli(method: str | None, num_tokens: int | None, config_json: str | None
 
 
 def draftable(live) -> bool:
-    """A live request drafts unless it asks for logprobs (those come from plain decode rows);
-    greedy and sampling requests both do (spec/sampled.py for the latter)."""
-    return live is not None and live.params.logprobs is None
+    """A live request drafts unless it asks for logprobs (those come from plain decode rows) or
+    samples with a seed: speculative sampling (spec/sampled.py) draws another random stream whose
+    length depends on the pace gate's timing and on the batch, so a seeded request decodes plainly
+    and stays reproducible."""
+    if live is None or live.params.logprobs is not None:
+        return False
+    return live.params.greedy or live.params.seed is None

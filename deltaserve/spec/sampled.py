@@ -6,8 +6,9 @@ with probability min(1, p(d) / q(d)); on rejection draw from max(p - q, 0), reno
 reads: accept d with probability p(d); on rejection draw from p with d removed. Every emitted token
 is distributed exactly as plain sampling from the target p (the request's temperature, top-k,
 top-p and min-p applied, engine/sampling.filtered_probs); when all drafts pass, the bonus token is
-drawn from the last row. The random stream differs from plain decoding's, so a seeded request gives
-different (equally distributed) tokens with speculation on than off.
+drawn from the last row. The random stream differs from plain decoding's, and how much of it a step
+uses depends on timing (the pace gate) and the batch: requests with a seed therefore never draft
+(spec/config.draftable) and stay reproducible.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from deltaserve.server.app import build_app
 from tests.server.helpers import app_server, running_server
@@ -206,3 +207,17 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_cleanly() -> None:
     usage = [f for f in frames if '"usage": {' in f][-1]
     assert [line for line in lines if line][-1] == "data: [DONE]"
     assert '"completion_tokens": 120' in usage
+
+
+def test_model_thread_runs_calls_in_order_on_one_daemon_thread() -> None:
+    from deltaserve.server.bridge import ModelThread
+
+    worker = ModelThread()
+    idents = [worker.submit(threading.get_ident) for _ in range(3)]
+    assert len({f.result(5) for f in idents}) == 1 and idents[0].result() != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        worker.submit(lambda: 1 / 0).result(5)
+    assert worker.submit(lambda: "still serving").result(5) == "still serving"
+    assert worker._thread.daemon  # a loop never stopped cannot hold the process at exit
+    worker.shutdown()
+    assert not worker._thread.is_alive()
