@@ -99,11 +99,11 @@ class ModelThread(concurrent.futures.Executor):
 
 class EngineDriver:
     def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None,
-                 mirror=None, executor: concurrent.futures.Executor | None = None) -> None:
+                 mirror=None, thread: ModelThread | None = None) -> None:
         """mirror: distributed.serve.Mirror under `serve --tp`: every batch of commands this
         loop applies goes to the other ranks first (they step whenever this loop steps).
-        executor: a one-thread executor to run the loop on; give the one the model was loaded on
-        (server/host.py says why)."""
+        thread: the ModelThread to run the loop on; give the one the model was loaded on
+        (server/host.py says why). None: a new one."""
         self.engine, self.idle_wait_s, self.mirror = engine, idle_wait_s, mirror
         self.counters = counters or Counters()
         self.error: str | None = None
@@ -114,18 +114,15 @@ class EngineDriver:
         self._times: dict[str, list[float]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
-        self._done: concurrent.futures.Future | None = None  # the loop's run on `executor`
-        self._executor = executor
+        self._worker = thread
+        self._done: concurrent.futures.Future | None = None  # the loop's run on that thread
         self.last_event_at = 0.0  # when a request last got tokens or finished (idle unload)
 
     def start(self) -> None:
-        """On `executor` (the thread that loaded the model) when given, else on a new thread."""
-        if self._executor is not None:
-            self._done = self._executor.submit(self._run)
-            self._done.add_done_callback(self._ended)
-        else:
-            self._thread.start()
+        if self._worker is None:
+            self._worker = ModelThread("deltaserve-engine")
+        self._done = self._worker.submit(self._run)
+        self._done.add_done_callback(self._ended)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Let in-flight requests finish (up to timeout_s), then end the loop."""
@@ -136,19 +133,16 @@ class EngineDriver:
         self._wake.set()
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout=5.0)
-        else:
-            self._thread.join(timeout=5.0)
 
     def _ended(self, done: concurrent.futures.Future) -> None:
-        """The loop's run on the executor ended: an exception that escaped it is the error."""
+        """The loop's run ended: an exception that escaped it is the error."""
         if not done.cancelled() and done.exception() is not None and self.error is None:
             exc = done.exception()
             self.error = f"{type(exc).__name__}: {exc}"
 
     @property
     def alive(self) -> bool:
-        running = (self._done is not None and not self._done.done()) or self._thread.is_alive()
-        return self.error is None and running
+        return self.error is None and self._done is not None and not self._done.done()
 
     @property
     def num_open(self) -> int:

@@ -108,7 +108,7 @@ class ModelHost:
         self.llm, self.max_model_len = llm, llm.max_model_len
         self.input_modalities = _modalities(llm)
         self.driver = EngineDriver(llm.engine, counters=self.counters, mirror=self.mirror,
-                                   executor=self._model_thread)
+                                   thread=self._model_thread)
         self.driver.start()
         self.state, self.error = READY, None
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltaserve.ops.gdn import gdn_chunked, gdn_prefill
+from tests.ops.triton_device import rel
 
 
 def _inputs(device, dtype, seq_len=200, heads_k=2, heads_v=4, dim=64):
@@ -56,9 +57,6 @@ def test_fla_path_matches_the_fp32_scan(stops) -> None:
                            lambda n, s: got.setdefault(n, s.clone()))
     ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
 
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
     assert rel(o, ref_o) <= 2e-2 and rel(final, ref_final) <= 2e-2
     assert set(got) == set(stops)
     for n in stops:
@@ -84,9 +82,6 @@ def test_fla_stage_driver_matches_one_public_call_per_segment(stops) -> None:
     old_o, old_final = fla_public_prefill(q, k, v, g, beta, state.clone(), stops,
                                           lambda n, s: old.setdefault(n, s.clone()))
     ref_o, ref_final, seen = _reference(q, k, v, g, beta, state, chunk_len=8)
-
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     assert set(got) == set(old) == set(stops)
     pairs = [(o, old_o, ref_o), (final, old_final, ref_final)]

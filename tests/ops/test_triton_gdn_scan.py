@@ -8,20 +8,14 @@ import pytest
 import torch
 
 from deltaserve.ops.gdn import gdn_recurrent_ref
+from tests.ops.test_gdn_prefill import _inputs as inputs
 from tests.ops.triton_device import KDEV, needs_kernels, rel
 
 pytestmark = [pytest.mark.gpu, needs_kernels]
 
 
-def _inputs(seq_len, dtype, heads_k=2, heads_v=4, dim=64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq_len, heads_k, dim, generator=gen).to(dtype)
-    k = torch.randn(1, seq_len, heads_k, dim, generator=gen).to(dtype)
-    v = torch.randn(1, seq_len, heads_v, dim, generator=gen).to(dtype)
-    g = -torch.rand(1, seq_len, heads_v, generator=gen) * 0.5
-    beta = torch.rand(1, seq_len, heads_v, generator=gen)
-    state = torch.randn(1, heads_v, dim, dim, generator=gen) * 0.1
-    return [t.to(KDEV) for t in (q, k, v, g, beta, state)]
+def _inputs(seq_len, dtype):
+    return inputs(KDEV, dtype, seq_len=seq_len)
 
 
 def _reference(q, k, v, g, beta, state):
@@ -35,7 +29,7 @@ def _reference(q, k, v, g, beta, state):
 def test_scan_matches_the_recurrence(seq_len, dtype) -> None:
     from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
 
-    q, k, v, g, beta, state = _inputs(seq_len, dtype, seed=seq_len)
+    q, k, v, g, beta, state = _inputs(seq_len, dtype)
     before = state.clone()
     o, final = gdn_scan_cuda(q, k, v, g, beta, state)
     ref_o, ref_final = _reference(q, k, v, g, beta, state)
@@ -47,7 +41,7 @@ def test_scan_matches_the_recurrence(seq_len, dtype) -> None:
 def test_stops_report_the_states_the_scan_carries_on_from() -> None:
     from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
 
-    q, k, v, g, beta, state = _inputs(50, torch.bfloat16, seed=3)
+    q, k, v, g, beta, state = _inputs(50, torch.bfloat16)
     got = {}
     o, final = gdn_scan_cuda(q, k, v, g, beta, state, (10, 32, 50, 99),
                              lambda n, s: got.setdefault(n, s.clone()))
@@ -66,7 +60,7 @@ def test_strided_projection_views_are_read_in_place() -> None:
     """q, k, v as the model passes them: views of one [B,T,C] conv output, split by channel."""
     from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
 
-    q, k, v, g, beta, state = _inputs(24, torch.bfloat16, seed=5)
+    q, k, v, g, beta, state = _inputs(24, torch.bfloat16)
     packed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
     qv, kv, vv = torch.split(packed, [q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)
     views = (qv.view(q.shape), kv.view(k.shape), vv.view(v.shape))
@@ -81,7 +75,7 @@ def test_gated_form_equals_gates_then_scan_and_updates_state_in_place() -> None:
     from deltaserve.ops.gdn import gdn_gates
     from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda, gdn_scan_gated_cuda
 
-    q, k, v, _, _, state = _inputs(33, torch.bfloat16, seed=9)
+    q, k, v, _, _, state = _inputs(33, torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     proj = (torch.randn(1, 33, 8 + 2, generator=gen) * 3).to(KDEV).bfloat16()  # [.., b | a | more]
     b, a = proj[..., :4], proj[..., 4:8]
