@@ -24,7 +24,7 @@ class Env:
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
     cuda_graphs: bool  # DELTASERVE_CUDA_GRAPHS=0: GPU decode steps launch eagerly
-    # DELTASERVE_FUSED_DECODE=0: a CPU decode token runs layer by layer in Python, not as one
+    # DELTASERVE_FUSED_DECODE=0: a CPU decode step runs layer by layer in Python, not as one
     # native call (ops/decode_step.py)
     fused_decode: bool
     # DELTASERVE_OVERLAP=0|1: greedy decode steps launch before the previous step's tokens are read

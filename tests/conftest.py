@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# Keep the default model and the built tokenizer out of the user's cache; one folder per session.
-os.environ.setdefault("DELTASERVE_CACHE_DIR", tempfile.mkdtemp(prefix="deltaserve-test-cache-"))
+# Keep the default model and the built tokenizer out of the user's cache; one folder per
+# session, removed at exit (CI machines run many sessions).
+if "DELTASERVE_CACHE_DIR" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="deltaserve-test-cache-")
+    os.environ["DELTASERVE_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

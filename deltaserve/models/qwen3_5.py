@@ -137,11 +137,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = self._stage_input(input_ids[None], inject)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         plan = self._native_plan(batch) if inject is None else None
-        if plan is not None:  # one decode token on CPU: every layer in one native call
-            chunk, (cos, sin) = batch.chunks[0], cos_sin
-            h = plan.run(x[0, 0], chunk.slot, chunk.start_pos, batch.decode_tables[0], cos[0],
-                         sin[0])
-            return self._head(h[None], greedy)
+        if plan is not None:  # a CPU decode step: every layer in one native call
+            h = plan.run(x[0], batch.decode_slots, batch.positions, batch.decode_tables,
+                         *cos_sin)
+            return self._head(h, greedy)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
         # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
@@ -170,15 +169,17 @@ class Qwen3_5ForCausalLM(nn.Module):
     _plan: tuple | None = None  # (pools key, decode_step.DecodePlan or None)
 
     def _native_plan(self, batch: StepBatch):
-        """The native decode plan when this step is one sequence's decode token on CPU (no tensor
-        or pipeline split, no MTP hidden states wanted), else None."""
-        if len(batch.chunks) != 1 or not batch.decode or self.tp is not None \
+        """The native decode plan when this step is decode tokens only on CPU, no more of them
+        than the plan's kernels take (no tensor or pipeline split, no MTP hidden states wanted),
+        else None."""
+        if len(batch.decode) != len(batch.chunks) or self.tp is not None \
                 or self.pp is not None or self.keep_hidden or self.device.type != "cpu":
             return None
         key = decode_step.pools_key(batch.states, batch.kv)
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, decode_step.build_plan(self, batch.states, batch.kv))
-        return self._plan[1]
+        plan = self._plan[1]
+        return plan if plan is not None and len(batch.chunks) <= plan.max_rows else None
 
     def _stage_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
         """ids [B,T] -> the first layer's input [B,T,N]: the embeddings (image rows injected), or

@@ -1,11 +1,13 @@
-"""One CPU decode token through all decoder layers in one native call (ops/csrc/decode_step.c).
+"""One CPU decode step (a token for each of up to `max_rows` sequences) through all decoder
+layers in one native call (ops/csrc/decode_step.c).
 
 The layered path runs ~100 GEMVs per token of the 0.8B model, each a native call, with ~700 small
-torch ops and the Python of every module between them: ~15-20 ms per token on 2 cores, a third of
-an int8 step. The plan below describes the model once (pointers to every weight, norm, pool, and
-the kernel each matrix takes, as the layered path would choose it); each token is then one C call.
-Its reference is the layered path itself (models/qwen3_5.forward_batch without the plan);
-tests/ops/test_decode_step.py compares them per weight format.
+torch ops and the Python of every module between them: ~15-20 ms per step on 2 cores, a third of
+an int8 step, and most of a small model's step. The plan below describes the model once (pointers
+to every weight, norm, pool, and the kernel each matrix takes, as the layered path would choose it
+for that many rows); each step is then one C call. Its reference is the layered path itself
+(models/qwen3_5.forward_batch without the plan); tests/ops/test_decode_step.py compares them per
+weight format and row count, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from deltaserve.config import FULL
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import _q8_fn
+from deltaserve.ops.qgemv import QGEMM_MAX_ROWS, _q8_fn
 
 BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
 
@@ -76,6 +78,17 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
     return DsMat(kind, linear.weight.data_ptr(), linear.scales.data_ptr(), bias, n, k, g)
 
 
+def max_rows(kind: int) -> int:
+    """Up to how many decode rows the layered path keeps this kind on the kernels matmat runs
+    (layers/linear.SMALL_GEMM_MAX_ROWS, quant/linear.CPU_GEMV_MAX_ROWS and QGEMM_MAX_ROWS);
+    above it that path dequantizes or widens for torch's GEMM, which the plan does not run."""
+    from deltaserve.layers.linear import SMALL_GEMM_MAX_ROWS
+    from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS
+
+    return {BF16: SMALL_GEMM_MAX_ROWS, Q8_VNNI: max(QGEMM_MAX_ROWS, CPU_GEMV_MAX_ROWS)}.get(
+        kind, CPU_GEMV_MAX_ROWS)
+
+
 def _f32(t: torch.Tensor, keep: list) -> int:
     t = t.detach().float().contiguous()
     keep.append(t)
@@ -83,25 +96,39 @@ def _f32(t: torch.Tensor, keep: list) -> int:
 
 
 class DecodePlan:
-    """Every pointer one decode token needs, for one model and one pair of state/KV pools."""
+    """Every pointer a decode step needs, for one model and one pair of state/KV pools; steps of
+    1..max_rows sequences."""
 
-    def __init__(self, lib, model: DsModel, layers, keep: list, key: tuple) -> None:
+    def __init__(self, lib, model: DsModel, layers, keep: list, key: tuple,
+                 max_rows: int) -> None:
         self.lib, self.model, self.layers, self.keep, self.key = lib, model, layers, keep, key
+        self.max_rows = max_rows
         fn = lib.ds_decode_work_floats
-        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_long
-        self.work = torch.empty(fn(ctypes.byref(model)), dtype=torch.float32)
-        run = lib.ds_decode_token
-        run.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 4
-                        + [ctypes.c_int])
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_long], ctypes.c_long
+        self._work_floats = lambda rows: fn(ctypes.byref(model), rows)  # noqa: E731
+        self.work = torch.empty(0, dtype=torch.float32)
+        run = lib.ds_decode_rows
+        run.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 3
+                        + [ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         run.restype = None
         self._args = (ctypes.byref(model), self.layers)
 
-    def run(self, x: torch.Tensor, slot: int, pos: int, table: torch.Tensor,
-            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N] fp32 (overwritten): input embedding in, final-normed hidden state out."""
-        self.lib.ds_decode_token(*self._args, x.data_ptr(), slot, pos, table.data_ptr(),
-                                 cos.data_ptr(), sin.data_ptr(), self.work.data_ptr(),
-                                 torch.get_num_threads())
+    def run(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+            tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B,N] fp32 contiguous (overwritten): input embeddings in, final-normed hidden states
+        out. slots, positions [B] and tables [B,NBmax] int64; cos, sin [B,R] fp32."""
+        rows = x.shape[0]
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"a native decode step takes 1..{self.max_rows} rows, not {rows}")
+        need = self._work_floats(rows)
+        if self.work.numel() < need:
+            self.work = torch.empty(need, dtype=torch.float32)
+        args = [t.contiguous() for t in (slots, positions, tables, cos, sin)]
+        slots, positions, tables, cos, sin = args
+        self.lib.ds_decode_rows(*self._args, x.data_ptr(), rows, slots.data_ptr(),
+                                positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                cos.data_ptr(), sin.data_ptr(), self.work.data_ptr(),
+                                torch.get_num_threads())
         return x
 
 
@@ -117,7 +144,7 @@ def build_plan(lm, states, kv) -> DecodePlan | None:
     lib = native_lib()
     cfg = lm.cfg
     if lib is None or env().reference_ops or not env().fused_decode or lm.device.type != "cpu" \
-            or lm.act_dtype != torch.float32 or not hasattr(lib, "ds_decode_token"):
+            or lm.act_dtype != torch.float32 or not hasattr(lib, "ds_decode_rows"):
         return None
     if any(t is not None and t.dtype != torch.float32 for t in (*states.conv, *kv.k, *kv.v)):
         return None
@@ -128,6 +155,7 @@ def build_plan(lm, states, kv) -> DecodePlan | None:
         if spec is None:
             return None
         layers[i] = spec
+    rows = min(max_rows(getattr(spec, name).kind) for spec in layers for name in _LAYER_MATS)
     n = lambda c: getattr(cfg, c)  # noqa: E731
     model = DsModel(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
                     cfg.rms_norm_eps, n("linear_num_key_heads"), n("linear_num_value_heads"),
@@ -135,7 +163,7 @@ def build_plan(lm, states, kv) -> DecodePlan | None:
                     n("linear_conv_kernel_dim"), cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, kv.block_len,
                     cfg.head_dim**-0.5, _f32(lm.model.norm.weight, keep))
-    return DecodePlan(lib, model, layers, keep, pools_key(states, kv))
+    return DecodePlan(lib, model, layers, keep, pools_key(states, kv), rows)
 
 
 def _layer(layer, i: int, cfg, states, kv, lib, keep: list) -> DsLayer | None:

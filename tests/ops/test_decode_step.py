@@ -25,16 +25,17 @@ from deltaserve.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler for the CPU kernels")
 
-BLOCK_LEN = 4  # small blocks: the decode tokens below cross a block edge
-SLOT = 1
+BLOCK_LEN = 4  # small blocks: the decode tokens below cross block edges
+BLOCKS_PER_SEQ = 8
 
 
-def pools(lm) -> tuple[StatePool, KVPool]:
-    states = StatePool(lm.cfg, 2, torch.float32, torch.device("cpu"))
+def pools(lm, num_seqs: int = 1) -> tuple[StatePool, KVPool]:
+    states = StatePool(lm.cfg, num_seqs + 1, torch.float32, torch.device("cpu"))
     for t in (*states.conv, *states.recurrent):
         if t is not None:
             t.normal_()  # slot 0 holds garbage: a plan reading the wrong slot shows
-    kv = KVPool(lm.cfg, PoolSizes(2, 8, BLOCK_LEN), torch.float32, torch.device("cpu"))
+    kv = KVPool(lm.cfg, PoolSizes(num_seqs + 1, BLOCKS_PER_SEQ * num_seqs, BLOCK_LEN),
+                torch.float32, torch.device("cpu"))
     for t in (*kv.k, *kv.v):
         if t is not None:
             t.normal_()
@@ -49,42 +50,58 @@ def clone(states: StatePool, kv: KVPool) -> tuple[StatePool, KVPool]:
     return s2, kv2
 
 
-def step(lm, states, kv, ids: list[int], start: int, fused: bool, monkeypatch) -> torch.Tensor:
-    """One forward_batch of `ids` at positions [start, ...) of the sequence in SLOT."""
+def table(seq: int, num_seqs: int) -> tuple[int, ...]:
+    """Sequence seq's KV blocks, interleaved with the others' (seq, seq + n, ...)."""
+    return tuple(seq + num_seqs * j for j in range(BLOCKS_PER_SEQ))
+
+
+def step(lm, states, kv, seqs: list[tuple[list[int], int]], fused: bool, monkeypatch
+         ) -> torch.Tensor:
+    """One forward_batch: sequence i (pool slot i + 1) feeds ids at positions [start, ...)."""
     monkeypatch.setenv("DELTASERVE_FUSED_DECODE", "1" if fused else "0")
     env.cache_clear()
     lm._plan = None
-    table = tuple(range(8))
-    batch = StepBatch.build([SeqChunk(SLOT, start, len(ids), table)], states, kv, "cpu")
+    chunks = [SeqChunk(i + 1, start, len(ids), table(i, len(seqs)))
+              for i, (ids, start) in enumerate(seqs)]
+    batch = StepBatch.build(chunks, states, kv, "cpu")
+    ids = torch.tensor([t for ids, _ in seqs for t in ids])
     with native_rows(not batch.prefill):
-        logits = lm.forward_batch(torch.tensor(ids), batch)
-    if len(ids) == 1:
+        logits = lm.forward_batch(ids, batch)
+    if not batch.prefill:
         assert (lm._plan[1] is not None) == fused, "the native plan was (not) used as asked"
     return logits
 
 
-def assert_native_equals_layered(lm, monkeypatch, num_decode: int = 7) -> None:
-    states, kv = pools(lm)
-    prompt = [(17 * i + 5) % lm.cfg.vocab_size for i in range(6)]
-    step(lm, states, kv, prompt, 0, False, monkeypatch)
+def assert_native_equals_layered(lm, monkeypatch, num_seqs: int = 1, num_decode: int = 7) -> None:
+    """Sequences with prompts of 6, 9, 4, ... tokens decode num_decode tokens together: their
+    positions differ, and each crosses block edges at its own step."""
+    states, kv = pools(lm, num_seqs)
+    prompts = [[(17 * i + 5 * s + 5) % lm.cfg.vocab_size for i in range(6 + (3 * s) % 7)]
+               for s in range(num_seqs)]
+    for s, prompt in enumerate(prompts):  # prefill one at a time: slot s + 1, its own blocks
+        chunk = SeqChunk(s + 1, 0, len(prompt), table(s, num_seqs))
+        batch = StepBatch.build([chunk], states, kv, "cpu")
+        lm.forward_batch(torch.tensor(prompt), batch)
     other = clone(states, kv)
-    token, pos = prompt[-1], len(prompt)
-    for _ in range(num_decode):  # positions 6..12: across the block edges at 8 and 12
-        fused = step(lm, states, kv, [token], pos, True, monkeypatch)
-        layered = step(lm, *other, [token], pos, False, monkeypatch)
+    tokens, starts = [p[-1] for p in prompts], [len(p) for p in prompts]
+    for _ in range(num_decode):
+        seqs = [([t], pos) for t, pos in zip(tokens, starts, strict=True)]
+        fused = step(lm, states, kv, seqs, True, monkeypatch)
+        layered = step(lm, *other, seqs, False, monkeypatch)
         assert torch.equal(fused, layered)
-        token, pos = int(layered.argmax()), pos + 1
+        tokens, starts = layered.argmax(-1).tolist(), [p + 1 for p in starts]
     for a, b in zip((*states.conv, *states.recurrent), (*other[0].conv, *other[0].recurrent),
                     strict=True):
         if a is not None:
             assert torch.equal(a, b)  # the other slot (garbage) untouched too
     for a, b in zip((*kv.k, *kv.v), (*other[1].k, *other[1].v), strict=True):
         if a is not None:
-            assert torch.equal(a, b)  # and the blocks the sequence does not own
+            assert torch.equal(a, b)  # and the blocks no sequence owns
 
 
-def test_bf16_weights_match_the_layered_path(tiny_dir, monkeypatch) -> None:
-    assert_native_equals_layered(LLM(tiny_dir, dtype="bfloat16").model, monkeypatch)
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_bf16_weights_match_the_layered_path(tiny_dir, num_seqs, monkeypatch) -> None:
+    assert_native_equals_layered(LLM(tiny_dir, dtype="bfloat16").model, monkeypatch, num_seqs)
 
 
 @pytest.fixture(scope="module", params=["int8", "int4", "q1"])
@@ -94,11 +111,14 @@ def quantized_dir(request, tmp_path_factory, tiny_dir):
     return out
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3])
 @pytest.mark.parametrize("exact_int8", ["0", "1"])
-def test_quantized_weights_match_the_layered_path(quantized_dir, exact_int8, monkeypatch) -> None:
+def test_quantized_weights_match_the_layered_path(quantized_dir, exact_int8, num_seqs,
+                                                  monkeypatch) -> None:
     monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact_int8)  # int8: VNNI and fp32 kernels
     env.cache_clear()
-    assert_native_equals_layered(LLM(quantized_dir, dtype="float32").model, monkeypatch)
+    assert_native_equals_layered(LLM(quantized_dir, dtype="float32").model, monkeypatch,
+                                 num_seqs)
 
 
 def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
@@ -112,13 +132,32 @@ def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
         assert decode_step.build_plan(other, *pools(other)) is None
 
 
+def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeypatch) -> None:
+    """Above max_rows the layered path dequantizes for torch's GEMM, which the plan does not run:
+    such a step must not reach the plan (which refuses it too)."""
+    lm = LLM(quantized_dir, dtype="float32").model
+    num_seqs = 17  # above the 16 rows of the per-row GEMV formats
+    states, kv = pools(lm, num_seqs)
+    plan = decode_step.build_plan(lm, states, kv)
+    vnni = all(getattr(spec, name).kind == decode_step.Q8_VNNI for spec in plan.layers
+               for name in ("mix_in", "mix_out", "gate_up", "down"))
+    assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if vnni else 16)
+    seqs = [([3], 0)] * num_seqs
+    step(lm, states, kv, seqs, plan.max_rows >= num_seqs, monkeypatch)  # asserts plan (not) used
+    with pytest.raises(ValueError, match="rows"):
+        x = torch.zeros(plan.max_rows + 1, lm.cfg.hidden_size)
+        zeros = torch.zeros(plan.max_rows + 1, dtype=torch.long)
+        plan.run(x, zeros, zeros, zeros[:, None], x[:, :2], x[:, :2])
+
+
 def test_generation_is_unchanged_by_the_native_step(tiny_dir, monkeypatch) -> None:
     from deltaserve import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82], [1, 41, 42, 13, 56, 23, 73]]
     outs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("DELTASERVE_FUSED_DECODE", flag)
         llm = LLM(tiny_dir, dtype="bfloat16")
-        outs.append(llm.generate([[3, 14, 15, 92, 65]], params)[0].outputs[0].token_ids)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]

@@ -1,7 +1,8 @@
-// One decode token through every decoder layer in one call: the CPU counterpart of a CUDA graph.
-// The layered Python path (models/qwen3_5.forward_batch) spends ~15-20 ms per token of the 0.8B
-// model in Python and ~700 small torch ops around ~40 ms of weight-streaming GEMVs; here the same
-// kernels (ds_gemv_*, ds_gdn_decode_slots, ds_rmsnorm) run back to back with no Python between.
+// A decode step (one token for each of a few sequences) through every decoder layer in one call:
+// the CPU counterpart of a CUDA graph. The layered Python path (models/qwen3_5.forward_batch)
+// spends ~15-20 ms per step of the 0.8B model in Python and ~700 small torch ops around ~40 ms of
+// weight-streaming GEMVs; here the same kernels (ds_gemv_*, ds_gemm_*, ds_gdn_decode_slots,
+// ds_attend_rows, ds_rmsnorm) run back to back with no Python between.
 // Spec: the layered path; tests/ops/test_decode_step.py checks parity per weight format.
 #include <math.h>
 #include <stdint.h>
@@ -78,6 +79,13 @@ static float dot_f32(const float* a, const float* b, long n) {
   return acc;
 }
 
+void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, long K,
+                  int num_threads);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long M, long N,
+                     long K, long G, int num_threads);
+#endif
+
 static void matvec(const DsMat* m, const float* x, float* y, int threads) {
   switch (m->kind) {
     case DS_BF16: ds_gemv_bf16(m->w, x, y, m->n, m->k, threads); break;
@@ -87,6 +95,24 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads); break;
     default: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+  }
+}
+
+// x [rows, k] -> y [rows, n] with the kernel the layered path takes for a decode step of `rows`
+// rows (layers/linear.linear, quant/linear.quant_linear): bf16 and VNNI int8 stream the weight
+// once for all rows, the other formats run one GEMV per row. The plan caps rows where those
+// paths would switch to dequantize + GEMM (ops/decode_step.max_rows).
+static void matmat(const DsMat* m, const float* x, float* y, long rows, int threads) {
+  if (rows == 1) {
+    matvec(m, x, y, threads);
+  } else if (m->kind == DS_BF16) {
+    ds_gemm_bf16(m->w, x, y, rows, m->n, m->k, threads);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  } else if (m->kind == DS_Q8_VNNI) {
+    ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads);
+#endif
+  } else {
+    for (long r = 0; r < rows; r++) matvec(m, x + r * m->k, y + r * m->n, threads);
   }
 }
 
@@ -159,87 +185,117 @@ void ds_silu_mul(const float* gu, float* out, long rows, long I) {
   }
 }
 
-// proj = [per head (query D | gate D)] x HQ | k HKV*D | v HKV*D -> out [HQ*D]; K/V of `pos` stored
-static void attention(const DsModel* m, const DsLayer* L, const float* proj, float* qk, float* out,
-                      long pos, const long* table, const float* cos, const float* sin,
+// Row r's proj (row stride P) = [per head (query D | gate D)] x HQ | k HKV*D | v HKV*D -> out[r]
+// [HQ*D]; the K/V of positions[r] are stored through its table (row stride table_stride) first.
+static void attention(const DsModel* m, const DsLayer* L, const float* proj, long P, float* qk,
+                      float* out, long rows, const long* positions, const long* tables,
+                      long table_stride, const float* cos, const float* sin, long* lengths,
                       int threads) {
-  const long HQ = m->hq, HKV = m->hkv, D = m->head_dim, BL = m->block_len;
-  float *q = qk, *k = qk + HQ * D;
-  const float* v = proj + 2 * HQ * D + HKV * D;
-  for (long h = 0; h < HQ; h++) {
-    ds_rmsnorm(proj + h * 2 * D, L->q_norm, q + h * D, 1, D, m->eps, 1.f, 1);
-    rope(q + h * D, cos, sin, m->rot_dim);
+  const long HQ = m->hq, HKV = m->hkv, D = m->head_dim, BL = m->block_len, R = m->rot_dim;
+  const long QK = (HQ + HKV) * D;
+  for (long r = 0; r < rows; r++) {
+    const float* pr = proj + r * P;
+    const float *c = cos + r * R, *sn = sin + r * R;
+    float *q = qk + r * QK, *k = q + HQ * D;
+    const float* v = pr + 2 * HQ * D + HKV * D;
+    for (long h = 0; h < HQ; h++) {
+      ds_rmsnorm(pr + h * 2 * D, L->q_norm, q + h * D, 1, D, m->eps, 1.f, 1);
+      rope(q + h * D, c, sn, R);
+    }
+    ds_rmsnorm(pr + 2 * HQ * D, L->k_norm, k, HKV, D, m->eps, 1.f, 1);
+    const long pos = positions[r], blk = tables[r * table_stride + pos / BL], row = pos % BL;
+    lengths[r] = pos + 1;
+    for (long h = 0; h < HKV; h++) {
+      rope(k + h * D, c, sn, R);
+      memcpy(L->k_pool + ((blk * HKV + h) * BL + row) * D, k + h * D, sizeof(float) * D);
+      memcpy(L->v_pool + ((blk * HKV + h) * BL + row) * D, v + h * D, sizeof(float) * D);
+    }
   }
-  ds_rmsnorm(proj + 2 * HQ * D, L->k_norm, k, HKV, D, m->eps, 1.f, 1);
-  const long blk = table[pos / BL], row = pos % BL, len = pos + 1;
-  for (long h = 0; h < HKV; h++) {
-    rope(k + h * D, cos, sin, m->rot_dim);
-    memcpy(L->k_pool + ((blk * HKV + h) * BL + row) * D, k + h * D, sizeof(float) * D);
-    memcpy(L->v_pool + ((blk * HKV + h) * BL + row) * D, v + h * D, sizeof(float) * D);
+  ds_attend_rows(qk, QK, proj + D, P, 2 * D, L->k_pool, L->v_pool, tables, table_stride, lengths,
+                 out, rows, HQ, HKV, D, BL, m->attn_scale, threads);
+}
+
+// proj rows [C | V | HV | HV] (row stride P) -> the contiguous qkv, z, b, a blocks the GDN decode
+// kernel takes, then one step of every row's state slot.
+static void gdn(const DsModel* m, const DsLayer* L, const float* proj, long P, float* split,
+                float* out, long rows, const long* slots, int threads) {
+  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD, HV = m->hv;
+  float *qkv = split, *z = qkv + rows * C, *b = z + rows * VD, *a = b + rows * HV;
+  for (long r = 0; r < rows; r++) {
+    const float* pr = proj + r * P;
+    memcpy(qkv + r * C, pr, sizeof(float) * C);
+    memcpy(z + r * VD, pr + C, sizeof(float) * VD);
+    memcpy(b + r * HV, pr + C + VD, sizeof(float) * HV);
+    memcpy(a + r * HV, pr + C + VD + HV, sizeof(float) * HV);
   }
-  ds_attend_rows(q, HQ * D, proj + D, 0, 2 * D, L->k_pool, L->v_pool, table, 0, &len, out, 1, HQ,
-                 HKV, D, BL, m->attn_scale, threads);
+  ds_gdn_decode_slots(qkv, z, b, a, L->conv_pool, L->conv_w, L->a_log, L->dt_bias, L->state_pool,
+                      L->gnorm_w, out, slots, rows, m->hk, HV, m->dk, m->dv, m->conv_width, m->eps,
+                      threads);
 }
 
 static void add_into(float* x, const float* t, long n) {
   for (long i = 0; i < n; i++) x[i] += t[i];
 }
 
-typedef struct {  // one decode token's scratch vectors
-  float *h, *t, *proj, *o, *qk, *gu, *act;
+typedef struct {  // a decode step's scratch, `rows` rows of each
+  float *h, *t, *proj, *o, *qk, *gu, *act, *split;
+  long* lengths;
 } DsWork;
 
-// The scratch layout, carved from `base` (NULL: only counted); returns the floats it takes.
-static long carve(const DsModel* m, float* base, DsWork* w) {
+// The scratch layout for `rows` rows, carved from `base` (NULL: only counted); returns the floats
+// it takes.
+static long carve(const DsModel* m, long rows, float* base, DsWork* w) {
   const long N = m->hidden, D = m->head_dim, VD = m->hv * m->dv, AD = m->hq * D;
   const long gdn = 2 * m->hk * m->dk + 2 * VD + 2 * m->hv, att = 2 * AD + 2 * m->hkv * D;
-  const long sizes[7] = {N, N, gdn > att ? gdn : att, AD > VD ? AD : VD, AD + m->hkv * D,
-                         2 * m->inter, m->inter};  // h, t, proj, o, qk, gu, act
-  float** slots[7] = {&w->h, &w->t, &w->proj, &w->o, &w->qk, &w->gu, &w->act};
+  // lengths (longs) first, so that they stay 8-byte aligned
+  const long sizes[9] = {2, N, N, gdn > att ? gdn : att, AD > VD ? AD : VD, AD + m->hkv * D,
+                         2 * m->inter, m->inter, gdn};
+  float** slots[9] = {(float**)&w->lengths, &w->h, &w->t, &w->proj, &w->o, &w->qk, &w->gu,
+                      &w->act, &w->split};
   long used = 0;
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < 9; i++) {
     if (base != NULL) *slots[i] = base + used;
-    used += sizes[i];
+    used += sizes[i] * rows;
   }
   return used;
 }
 
-// work: at least ds_decode_work_floats(m) floats
-long ds_decode_work_floats(const DsModel* m) {
+// work: at least ds_decode_work_floats(m, rows) floats
+long ds_decode_work_floats(const DsModel* m, long rows) {
   DsWork unused;
-  return carve(m, NULL, &unused);
+  return carve(m, rows, NULL, &unused);
 }
 
-// x [hidden]: the token's input embedding in, the final-normed hidden state out. Layer i's state
-// lives at pool slot `slot`; attention stores K/V of `pos` via `table` (the sequence's KV blocks)
-// and attends over [0, pos]; cos/sin [rot_dim] are pos's rotary tables.
-void ds_decode_token(const DsModel* m, const DsLayer* layers, float* x, long slot, long pos,
-                     const long* table, const float* cos, const float* sin, float* work,
-                     int threads) {
+// One decode token for each of `rows` sequences. x [rows, hidden]: the input embeddings in, the
+// final-normed hidden states out. Row r's GDN state lives at pool slot slots[r]; attention stores
+// the K/V of positions[r] via its KV blocks tables[r * table_stride ...] and attends over
+// [0, positions[r]]; cos/sin [rows, rot_dim] are the positions' rotary tables.
+void ds_decode_rows(const DsModel* m, const DsLayer* layers, float* x, long rows,
+                    const long* slots, const long* positions, const long* tables,
+                    long table_stride, const float* cos, const float* sin, float* work,
+                    int threads) {
   const long N = m->hidden, I = m->inter;
-  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD;
   DsWork w;
-  carve(m, work, &w);
-  float *h = w.h, *t = w.t, *proj = w.proj, *o = w.o, *qk = w.qk, *gu = w.gu, *act = w.act;
+  carve(m, rows, work, &w);
   for (long i = 0; i < m->num_layers; i++) {
     const DsLayer* L = layers + i;
-    ds_rmsnorm(x, L->in_norm, h, 1, N, m->eps, 1.f, 1);
-    matvec(&L->mix_in, h, proj, threads);
+    const long P = L->mix_in.n;
+    ds_rmsnorm(x, L->in_norm, w.h, rows, N, m->eps, 1.f, 1);
+    matmat(&L->mix_in, w.h, w.proj, rows, threads);
     if (L->is_full) {
-      attention(m, L, proj, qk, o, pos, table, cos, sin, threads);
+      attention(m, L, w.proj, P, w.qk, w.o, rows, positions, tables, table_stride, cos, sin,
+                w.lengths, threads);
     } else {
-      ds_gdn_decode_slots(proj, proj + C, proj + C + VD, proj + C + VD + m->hv, L->conv_pool,
-                          L->conv_w, L->a_log, L->dt_bias, L->state_pool, L->gnorm_w, o, &slot, 1,
-                          m->hk, m->hv, m->dk, m->dv, m->conv_width, m->eps, threads);
+      gdn(m, L, w.proj, P, w.split, w.o, rows, slots, threads);
     }
-    matvec(&L->mix_out, o, t, threads);
-    add_into(x, t, N);
-    ds_rmsnorm(x, L->post_norm, h, 1, N, m->eps, 1.f, 1);
-    matvec(&L->gate_up, h, gu, threads);
-    ds_silu_mul(gu, act, 1, I);
-    matvec(&L->down, act, t, threads);
-    add_into(x, t, N);
+    matmat(&L->mix_out, w.o, w.t, rows, threads);
+    add_into(x, w.t, rows * N);
+    ds_rmsnorm(x, L->post_norm, w.h, rows, N, m->eps, 1.f, 1);
+    matmat(&L->gate_up, w.h, w.gu, rows, threads);
+    ds_silu_mul(w.gu, w.act, rows, I);
+    matmat(&L->down, w.act, w.t, rows, threads);
+    add_into(x, w.t, rows * N);
   }
-  ds_rmsnorm(x, m->final_norm, h, 1, N, m->eps, 1.f, 1);
-  memcpy(x, h, sizeof(float) * N);
+  ds_rmsnorm(x, m->final_norm, w.h, rows, N, m->eps, 1.f, 1);
+  memcpy(x, w.h, sizeof(float) * rows * N);
 }
