@@ -137,9 +137,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = self._stage_input(input_ids[None], inject)
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         plan = self._native_plan(batch) if inject is None else None
-        if plan is not None:  # a CPU decode step: every layer in one native call
-            h = plan.run(x[0], batch.decode_slots, batch.positions, batch.decode_tables,
-                         *cos_sin)
+        if plan is not None:  # a CPU decode/verify step: every layer in one native call
+            steps, keep = decode_step.gdn_steps(batch, self.model.layers)
+            h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
+            del keep
             return self._head(h, greedy)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
@@ -169,17 +170,17 @@ class Qwen3_5ForCausalLM(nn.Module):
     _plan: tuple | None = None  # (pools key, decode_step.DecodePlan or None)
 
     def _native_plan(self, batch: StepBatch):
-        """The native decode plan when this step is decode tokens only on CPU, no more of them
-        than the plan's kernels take (no tensor or pipeline split, no MTP hidden states wanted),
-        else None."""
-        if len(batch.decode) != len(batch.chunks) or self.tp is not None \
+        """The native decode plan when this step is decode and draft-verify rows only on CPU, no
+        more of them than the plan's kernels take (no tensor or pipeline split, no MTP hidden
+        states wanted), else None."""
+        if batch.prefill or self.tp is not None \
                 or self.pp is not None or self.keep_hidden or self.device.type != "cpu":
             return None
         key = decode_step.pools_key(batch.states, batch.kv)
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, decode_step.build_plan(self, batch.states, batch.kv))
         plan = self._plan[1]
-        return plan if plan is not None and len(batch.chunks) <= plan.max_rows else None
+        return plan if plan is not None and batch.num_tokens <= plan.max_rows else None
 
     def _stage_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
         """ids [B,T] -> the first layer's input [B,T,N]: the embeddings (image rows injected), or

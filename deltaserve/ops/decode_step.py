@@ -42,6 +42,43 @@ class DsLayer(ctypes.Structure):
                 + [(n, DsMat) for n in _LAYER_MATS] + [(n, _P) for n in _LAYER_TAIL])
 
 
+class DsSteps(ctypes.Structure):
+    _fields_ = ([("num_steps", ctypes.c_long), ("first_verify", ctypes.c_long)]
+                + [(n, _P) for n in ("start", "rows", "slots", "before", "inputs", "kept")])
+
+
+def _pointers(tensors: list) -> ctypes.Array | None:
+    """A C array of the tensors' data pointers (NULL for None); None if all are None."""
+    if all(t is None for t in tensors):
+        return None
+    return (_P * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def gdn_steps(batch, model_layers) -> tuple[DsSteps, list]:
+    """The GDN schedule of a step of decode and verify chunks (DsSteps in ops/csrc/decode_step.c):
+    the decode rows in one step, then token j of every verify chunk in step j, as
+    layers/gated_deltanet.forward_batch and spec/rollback.verify_steps run them; with batch.spec's
+    rollback buffers. Returns the struct and what must outlive the call."""
+    starts, rows, slots = [0], [], []
+    if batch.decode:
+        rows += [batch.offsets[i] for i in batch.decode]
+        slots += [batch.chunks[i].slot for i in batch.decode]
+        starts.append(len(rows))
+    first_verify, record, arrays = len(starts) - 1, batch.spec, [None, None, None]
+    if record is not None:
+        for j, (members, _) in enumerate(record.steps):
+            rows += [batch.offsets[i] + j for i in members]
+            slots += [batch.chunks[i].slot for i in members]
+            starts.append(len(rows))
+        arrays = [_pointers(bufs) for bufs in record.native_buffers(model_layers)]
+    flat = torch.tensor(starts + rows + slots, dtype=torch.long)
+    ptr, size = flat.data_ptr(), flat.element_size()
+    steps = DsSteps(len(starts) - 1, first_verify, ptr, ptr + len(starts) * size,
+                    ptr + (len(starts) + len(rows)) * size,
+                    *[None if a is None else ctypes.addressof(a) for a in arrays])
+    return steps, [flat, record, *arrays]
+
+
 class DsModel(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_long) for n in ("hidden", "inter", "num_layers")]
                 + [("eps", ctypes.c_float)]
@@ -113,19 +150,19 @@ class DecodePlan:
         run.restype = None
         self._args = (ctypes.byref(model), self.layers)
 
-    def run(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+    def run(self, x: torch.Tensor, steps: DsSteps, positions: torch.Tensor,
             tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B,N] fp32 contiguous (overwritten): input embeddings in, final-normed hidden states
-        out. slots, positions [B] and tables [B,NBmax] int64; cos, sin [B,R] fp32."""
+        out. steps: the GDN schedule (gdn_steps); positions [B] and tables [B,NBmax] int64; cos,
+        sin [B,R] fp32."""
         rows = x.shape[0]
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a native decode step takes 1..{self.max_rows} rows, not {rows}")
         need = self._work_floats(rows)
         if self.work.numel() < need:
             self.work = torch.empty(need, dtype=torch.float32)
-        args = [t.contiguous() for t in (slots, positions, tables, cos, sin)]
-        slots, positions, tables, cos, sin = args
-        self.lib.ds_decode_rows(*self._args, x.data_ptr(), rows, slots.data_ptr(),
+        positions, tables, cos, sin = (t.contiguous() for t in (positions, tables, cos, sin))
+        self.lib.ds_decode_rows(*self._args, x.data_ptr(), rows, ctypes.byref(steps),
                                 positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                 cos.data_ptr(), sin.data_ptr(), self.work.data_ptr(),
                                 torch.get_num_threads())

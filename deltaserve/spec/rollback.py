@@ -56,6 +56,28 @@ class VerifyRecord:
         self.inputs: dict[int, list[Rows]] = {}
         self.layers: dict[int, torch.nn.Module] = {}
 
+    def native_buffers(self, model_layers) -> tuple[list, list, list]:
+        """For the native decode step (ops/decode_step.py), which runs verify_steps' arithmetic in
+        C: per layer the flat buffer it fills where verify_steps would keep states ("before" and
+        "inputs" for "recompute", "kept" for "keep"; None elsewhere), this record holding views of
+        them in verify_steps' layout."""
+        states, sizes = self.batch.states, [len(members) for members, _ in self.steps]
+        before, inputs, kept = [], [], []
+        for layer, conv_pool in enumerate(states.conv):
+            bufs = [None, None, None]
+            if conv_pool is not None:
+                shapes = (conv_pool.shape[1:], states.recurrent[layer].shape[1:])
+                if self.strategy == "recompute":
+                    bufs[0], views = _states_buffer(sizes[:1], shapes)
+                    self.before[layer] = views[0]
+                    bufs[1], self.inputs[layer] = _rows_buffer(sizes, *shapes)
+                    self.layers[layer] = model_layers[layer].linear_attn
+                else:
+                    bufs[2], self.kept[layer] = _states_buffer(sizes[:-1], shapes)
+            for out, buf in zip((before, inputs, kept), bufs, strict=True):
+                out.append(buf)
+        return before, inputs, kept
+
     def rollback(self, accepted: dict[int, int]) -> None:
         """accepted[chunk index] = tokens of that verify chunk whose effect stays (1..len-1):
         every GDN layer's slot state becomes the state right after that many tokens."""
@@ -95,6 +117,36 @@ class VerifyRecord:
             index = torch.tensor(redo, dtype=torch.long, device=conv_pool.device)
             rows = tuple(t.index_select(0, index) for t in self.inputs[layer][j])
             _step(self.layers[layer], rows, conv_pool, state_pool, slots)
+
+
+def _states_buffer(sizes: list[int], shapes) -> tuple[torch.Tensor, list]:
+    """One flat fp32 buffer holding, step after step, n conv windows then n states per step of n
+    slots; and the (conv [n,C,W-1], state [n,HV,K,V]) views of each step."""
+    conv_numel, state_numel = (shape.numel() for shape in shapes)
+    flat = torch.empty(sum(sizes) * (conv_numel + state_numel))
+    views, at = [], 0
+    for n in sizes:
+        conv = flat[at : at + n * conv_numel].view(n, *shapes[0])
+        at += n * conv_numel
+        views.append((conv, flat[at : at + n * state_numel].view(n, *shapes[1])))
+        at += n * state_numel
+    return flat, views
+
+
+def _rows_buffer(sizes: list[int], conv_shape, state_shape) -> tuple[torch.Tensor, list[Rows]]:
+    """One flat fp32 buffer holding, step after step, the n in-projection rows of each step as
+    qkv [n,C], z [n,HV*V], b [n,HV], a [n,HV] blocks; and those views."""
+    num_heads = state_shape[0]
+    widths = (conv_shape[0], num_heads * state_shape[2], num_heads, num_heads)
+    flat = torch.empty(sum(sizes) * sum(widths))
+    views, at = [], 0
+    for n in sizes:
+        rows = []
+        for width in widths:
+            rows.append(flat[at : at + n * width].view(n, width))
+            at += n * width
+        views.append(tuple(rows))
+    return flat, views
 
 
 def verify_steps(gdn, rows: Rows, batch: StepBatch, layer: int, out: torch.Tensor) -> None:

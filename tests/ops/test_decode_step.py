@@ -121,6 +121,60 @@ def test_quantized_weights_match_the_layered_path(quantized_dir, exact_int8, num
                                  num_seqs)
 
 
+def prefilled(lm, num_seqs: int):
+    """Pools where sequence s (slot s + 1, its own blocks) holds a prompt of 5 + 2s tokens."""
+    states, kv = pools(lm, num_seqs)
+    lengths = [5 + 2 * s for s in range(num_seqs)]
+    for s, length in enumerate(lengths):
+        prompt = [(13 * i + 7 * s + 3) % lm.cfg.vocab_size for i in range(length)]
+        batch = StepBatch.build([SeqChunk(s + 1, 0, length, table(s, num_seqs))], states, kv,
+                                "cpu")
+        lm.forward_batch(torch.tensor(prompt), batch)
+    return states, kv, lengths
+
+
+def verify_step(lm, states, kv, chunks, ids, strategy, fused: bool, monkeypatch):
+    from deltaserve.spec.rollback import VerifyRecord
+
+    monkeypatch.setenv("DELTASERVE_FUSED_DECODE", "1" if fused else "0")
+    env.cache_clear()
+    lm._plan = None
+    batch = StepBatch.build(chunks, states, kv, "cpu")
+    batch.spec = VerifyRecord(batch, strategy)
+    with native_rows():
+        logits = lm.forward_batch(torch.tensor(ids), batch)
+    assert (lm._plan[1] is not None) == fused, "the native plan was (not) used as asked"
+    return logits, batch.spec
+
+
+def assert_pools_equal(a, b) -> None:
+    for x, y in zip((*a[0].conv, *a[0].recurrent, *a[1].k, *a[1].v),
+                    (*b[0].conv, *b[0].recurrent, *b[1].k, *b[1].v), strict=True):
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "keep"])
+def test_verify_steps_match_the_layered_path(tiny_dir, strategy, monkeypatch) -> None:
+    """A step of one decode row and two verify chunks (4 and 3 tokens: the pending token and its
+    drafts) natively and layer by layer: the same logits, states and K/V, and after a rollback
+    (to 2 and 1 accepted tokens) the same states again."""
+    lm = LLM(tiny_dir, dtype="bfloat16").model
+    states, kv, lengths = prefilled(lm, 3)
+    other = clone(states, kv)
+    sizes = [1, 4, 3]
+    chunks = [SeqChunk(s + 1, lengths[s], n, table(s, 3), verify=n > 1)
+              for s, n in enumerate(sizes)]
+    ids = [(31 * i + 11) % lm.cfg.vocab_size for i in range(sum(sizes))]
+    fused, record = verify_step(lm, states, kv, chunks, ids, strategy, True, monkeypatch)
+    layered, record2 = verify_step(lm, *other, chunks, ids, strategy, False, monkeypatch)
+    assert torch.equal(fused, layered)
+    assert_pools_equal((states, kv), other)
+    record.rollback({1: 2, 2: 1})
+    record2.rollback({1: 2, 2: 1})
+    assert_pools_equal((states, kv), other)
+
+
 def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
     lm = LLM(tiny_dir, dtype="bfloat16").model
     states, kv = pools(lm)

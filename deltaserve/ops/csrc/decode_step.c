@@ -215,22 +215,70 @@ static void attention(const DsModel* m, const DsLayer* L, const float* proj, lon
                  out, rows, HQ, HKV, D, BL, m->attn_scale, threads);
 }
 
-// proj rows [C | V | HV | HV] (row stride P) -> the contiguous qkv, z, b, a blocks the GDN decode
-// kernel takes, then one step of every row's state slot.
-static void gdn(const DsModel* m, const DsLayer* L, const float* proj, long P, float* split,
-                float* out, long rows, const long* slots, int threads) {
-  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD, HV = m->hv;
-  float *qkv = split, *z = qkv + rows * C, *b = z + rows * VD, *a = b + rows * HV;
-  for (long r = 0; r < rows; r++) {
-    const float* pr = proj + r * P;
+// The GDN steps of a decode step (spec/rollback.py): steps [0, first_verify) are decode rows,
+// the others draft verification, token j of every verify chunk in step first_verify + j. Per GDN
+// layer li (NULL where not wanted): before[li] the conv windows then states of the first verify
+// step's slots, copied before it ("recompute" rollback); inputs[li] every verify step's gathered
+// in-projection rows (qkv|z|b|a blocks), step after step ("recompute"); kept[li] the windows then
+// states after each verify step but the last, step after step ("keep").
+typedef struct {
+  long num_steps, first_verify;
+  const long* start;  // [num_steps + 1]: step j's members are [start[j], start[j + 1])
+  const long* rows;  // each member's flat row in the step
+  const long* slots;  // its state-pool slot
+  float** before;
+  float** inputs;
+  float** kept;
+} DsSteps;
+
+static void copy_slots(float* dst, const float* pool, const long* slots, long n, long size) {
+  for (long r = 0; r < n; r++) memcpy(dst + r * size, pool + slots[r] * size, sizeof(float) * size);
+}
+
+// One step's member rows of proj [C | V | HV | HV] (row stride P) -> contiguous qkv, z, b, a
+// blocks in buf (what the GDN decode kernel takes).
+static void gather(const float* proj, long P, const long* rows, long n, long C, long VD, long HV,
+                   float* buf) {
+  float *qkv = buf, *z = qkv + n * C, *b = z + n * VD, *a = b + n * HV;
+  for (long r = 0; r < n; r++) {
+    const float* pr = proj + rows[r] * P;
     memcpy(qkv + r * C, pr, sizeof(float) * C);
     memcpy(z + r * VD, pr + C, sizeof(float) * VD);
     memcpy(b + r * HV, pr + C + VD, sizeof(float) * HV);
     memcpy(a + r * HV, pr + C + VD + HV, sizeof(float) * HV);
   }
-  ds_gdn_decode_slots(qkv, z, b, a, L->conv_pool, L->conv_w, L->a_log, L->dt_bias, L->state_pool,
-                      L->gnorm_w, out, slots, rows, m->hk, HV, m->dk, m->dv, m->conv_width, m->eps,
-                      threads);
+}
+
+// Every step of layer li in order: gather its rows, step their slots' states (in place), scatter
+// the outputs to out [rows, HV*V]; the rollback's copies where asked.
+static void gdn(const DsModel* m, const DsLayer* L, long li, const float* proj, long P,
+                float* split, float* step_out, float* out, const DsSteps* st, int threads) {
+  const long VD = m->hv * m->dv, C = 2 * m->hk * m->dk + VD, HV = m->hv, G = C + VD + 2 * HV;
+  const long CW = C * (m->conv_width - 1), S = HV * m->dk * m->dv;
+  const long v0 = st->start[st->first_verify];  // the first verify member
+  float* before = st->before ? st->before[li] : NULL;
+  float* inputs = st->inputs ? st->inputs[li] : NULL;
+  float* kept = st->kept ? st->kept[li] : NULL;
+  for (long j = 0; j < st->num_steps; j++) {
+    const long s0 = st->start[j], n = st->start[j + 1] - s0, verify = j >= st->first_verify;
+    const long *rows = st->rows + s0, *slots = st->slots + s0;
+    float* buf = verify && inputs ? inputs + (s0 - v0) * G : split;
+    gather(proj, P, rows, n, C, VD, HV, buf);
+    if (verify && before && j == st->first_verify) {
+      copy_slots(before, L->conv_pool, slots, n, CW);
+      copy_slots(before + n * CW, L->state_pool, slots, n, S);
+    }
+    ds_gdn_decode_slots(buf, buf + n * C, buf + n * (C + VD), buf + n * (C + VD + HV),
+                        L->conv_pool, L->conv_w, L->a_log, L->dt_bias, L->state_pool, L->gnorm_w,
+                        step_out, slots, n, m->hk, HV, m->dk, m->dv, m->conv_width, m->eps,
+                        threads);
+    for (long r = 0; r < n; r++) memcpy(out + rows[r] * VD, step_out + r * VD, sizeof(float) * VD);
+    if (verify && kept && j + 1 < st->num_steps) {
+      float* dst = kept + (s0 - v0) * (CW + S);
+      copy_slots(dst, L->conv_pool, slots, n, CW);
+      copy_slots(dst + n * CW, L->state_pool, slots, n, S);
+    }
+  }
 }
 
 static void add_into(float* x, const float* t, long n) {
@@ -238,7 +286,7 @@ static void add_into(float* x, const float* t, long n) {
 }
 
 typedef struct {  // a decode step's scratch, `rows` rows of each
-  float *h, *t, *proj, *o, *qk, *gu, *act, *split;
+  float *h, *t, *proj, *o, *qk, *gu, *act, *split, *step_out;
   long* lengths;
 } DsWork;
 
@@ -248,12 +296,12 @@ static long carve(const DsModel* m, long rows, float* base, DsWork* w) {
   const long N = m->hidden, D = m->head_dim, VD = m->hv * m->dv, AD = m->hq * D;
   const long gdn = 2 * m->hk * m->dk + 2 * VD + 2 * m->hv, att = 2 * AD + 2 * m->hkv * D;
   // lengths (longs) first, so that they stay 8-byte aligned
-  const long sizes[9] = {2, N, N, gdn > att ? gdn : att, AD > VD ? AD : VD, AD + m->hkv * D,
-                         2 * m->inter, m->inter, gdn};
-  float** slots[9] = {(float**)&w->lengths, &w->h, &w->t, &w->proj, &w->o, &w->qk, &w->gu,
-                      &w->act, &w->split};
+  const long sizes[10] = {2, N, N, gdn > att ? gdn : att, AD > VD ? AD : VD, AD + m->hkv * D,
+                          2 * m->inter, m->inter, gdn, VD};
+  float** slots[10] = {(float**)&w->lengths, &w->h, &w->t, &w->proj, &w->o, &w->qk, &w->gu,
+                       &w->act, &w->split, &w->step_out};
   long used = 0;
-  for (int i = 0; i < 9; i++) {
+  for (int i = 0; i < 10; i++) {
     if (base != NULL) *slots[i] = base + used;
     used += sizes[i] * rows;
   }
@@ -266,12 +314,13 @@ long ds_decode_work_floats(const DsModel* m, long rows) {
   return carve(m, rows, NULL, &unused);
 }
 
-// One decode token for each of `rows` sequences. x [rows, hidden]: the input embeddings in, the
-// final-normed hidden states out. Row r's GDN state lives at pool slot slots[r]; attention stores
-// the K/V of positions[r] via its KV blocks tables[r * table_stride ...] and attends over
-// [0, positions[r]]; cos/sin [rows, rot_dim] are the positions' rotary tables.
+// A step of `rows` decode rows: one token of each decode sequence, every token of each verify
+// chunk. x [rows, hidden]: the input embeddings in, the final-normed hidden states out. The GDN
+// layers step the pool slots as `steps` says; attention stores the K/V of positions[r] via row r's
+// KV blocks tables[r * table_stride ...] and attends over [0, positions[r]]; cos/sin
+// [rows, rot_dim] are the positions' rotary tables.
 void ds_decode_rows(const DsModel* m, const DsLayer* layers, float* x, long rows,
-                    const long* slots, const long* positions, const long* tables,
+                    const DsSteps* steps, const long* positions, const long* tables,
                     long table_stride, const float* cos, const float* sin, float* work,
                     int threads) {
   const long N = m->hidden, I = m->inter;
@@ -286,7 +335,7 @@ void ds_decode_rows(const DsModel* m, const DsLayer* layers, float* x, long rows
       attention(m, L, w.proj, P, w.qk, w.o, rows, positions, tables, table_stride, cos, sin,
                 w.lengths, threads);
     } else {
-      gdn(m, L, w.proj, P, w.split, w.o, rows, slots, threads);
+      gdn(m, L, i, w.proj, P, w.split, w.step_out, w.o, steps, threads);
     }
     matmat(&L->mix_out, w.o, w.t, rows, threads);
     add_into(x, w.t, rows * N);
