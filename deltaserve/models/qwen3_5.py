@@ -141,6 +141,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             steps, keep = decode_step.gdn_steps(batch, self.model.layers)
             h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
             del keep
+            if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
+                self.last_hidden = h
             return self._head(h, greedy)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
@@ -171,10 +173,9 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def _native_plan(self, batch: StepBatch):
         """The native decode plan when this step is decode and draft-verify rows only on CPU, no
-        more of them than the plan's kernels take (no tensor or pipeline split, no MTP hidden
-        states wanted), else None."""
+        more of them than the plan's kernels take (no tensor or pipeline split), else None."""
         if batch.prefill or self.tp is not None \
-                or self.pp is not None or self.keep_hidden or self.device.type != "cpu":
+                or self.pp is not None or self.device.type != "cpu":
             return None
         key = decode_step.pools_key(batch.states, batch.kv)
         if self._plan is None or self._plan[0] != key:
