@@ -117,9 +117,17 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
 
 
 def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
-    """The multi-row int8 kernel where this shape's GEMV is the VNNI one (the rows then get its
-    bits), else None."""
-    if lib is None or env().reference_ops or scheme.kind != "int8":
+    """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 where its
+    GEMV is the VNNI one, 4-bit affine (ds_gemm_a4); else None."""
+    if lib is None or env().reference_ops:
+        return None
+    if (scheme.kind, scheme.bits) == ("affine", 4):
+        multi = getattr(lib, "ds_gemm_a4", None)
+        if multi is not None and multi.argtypes is None:  # registered beside its one caller
+            multi.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
+            multi.restype = None
+        return multi
+    if scheme.kind != "int8":
         return None
     vnni, multi = getattr(lib, "ds_gemv_q8_vnni", None), getattr(lib, "ds_gemm_q8_vnni", None)
     if multi is None or _q8_fn(lib, n, k, scheme.group_size) is not vnni:
@@ -132,23 +140,27 @@ def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
 
 def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
     """x [M,K] fp32 (CPU, a few decode or draft rows) -> [M,N] fp32: the same bits as M qgemv
-    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one);
-    None where no such kernel applies (then: a qgemv per row)."""
+    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one,
+    4-bit affine); None where no such kernel applies (then: a qgemv per row)."""
     w = p["weight"]
     multi = None if x.device.type != "cpu" else _multi_row_kernel(native_lib(), scheme,
                                                                   w.shape[0], x.shape[-1])
     if multi is None:
         return None
     w, s, x = w.contiguous(), p["scales"].contiguous(), x.float().contiguous()
+    biases = [p["biases"].contiguous()] if scheme.has_biases() else []
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    multi(w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0],
-          x.shape[-1], scheme.group_size, torch.get_num_threads())
+    multi(w.data_ptr(), s.data_ptr(), *[b.data_ptr() for b in biases], x.data_ptr(),
+          out.data_ptr(), x.shape[0], w.shape[0], x.shape[-1], scheme.group_size,
+          torch.get_num_threads())
     return out
 
 
-# Up to this many rows the multi-row int8 kernel beats dequantize + the fp32 GEMM on every 0.8B
-# shape (2 threads; 16 / 32 / 64 rows, ms): head 59.8 vs 176.4 / 126.3 vs 220.2 / 331.9 vs 339.7,
+# Up to this many rows the multi-row kernels beat dequantize + the fp32 GEMM on the 0.8B shapes
+# (2 threads; 16 / 32 / 64 rows, ms). int8: head 59.8 vs 176.4 / 126.3 vs 220.2 / 331.9 vs 339.7,
 # gate|up 2.2 vs 4.9 / 4.3 vs 5.8 / 8.5 vs 7.8, down 1.0 vs 1.9 / 2.0 vs 2.4 / 4.0 vs 3.4.
+# 4-bit affine (2026-11-30): head 81 vs 269 / 166 vs 281 (32 rows), gate|up 2.2 vs 4.5 / 4.8 vs
+# 4.4 / 8.2 vs 5.8, down 1.1 vs 1.9 / 2.1 vs 1.8 / 4.7 vs 2.7: about even at 32.
 QGEMM_MAX_ROWS = 32
 
 

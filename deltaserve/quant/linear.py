@@ -27,9 +27,9 @@ from deltaserve.quant.schemes import Scheme, dequantize
 # vocabulary head 8 rows 114 ms vs 658 ms, 16 rows 340 vs 621, 32 rows 515 vs 544; the 7168-row
 # gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (BENCHMARKS.md, issue 5).
 CPU_GEMV_MAX_ROWS = 16
-# In steps without prefill chunks (ops/norm.native_rows) int8 decode rows go further, up to
-# ops/qgemv.QGEMM_MAX_ROWS, on the multi-row kernel; prefill chunks keep the limit above, so their
-# numerics never depend on this.
+# In steps without prefill chunks (ops/norm.native_rows) int8 and 4-bit affine decode rows go
+# further, up to ops/qgemv.QGEMM_MAX_ROWS, on the multi-row kernels; prefill chunks keep the limit
+# above, so their numerics never depend on this.
 
 
 def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
@@ -101,7 +101,7 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         out = triton_qgemm.qgemm_cuda(flat, packed(module), module.scheme)
         return out.reshape(*x.shape[:-1], out.shape[-1])
     max_rows = WIDEN_MIN_ROWS - 1
-    if x.device.type == "cpu":  # decode-only steps: up to 32 int8 rows on the multi-row kernel
+    if x.device.type == "cpu":  # decode-only steps: up to 32 int8 / int4 rows, multi-row kernels
         max_rows = max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(
             module.scheme, module.weight.shape[0], module.in_cols) if _all_rows_native[0] else 0)
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None

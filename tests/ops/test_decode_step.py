@@ -188,14 +188,15 @@ def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
 
 def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeypatch) -> None:
     """Above max_rows the layered path dequantizes for torch's GEMM, which the plan does not run:
-    such a step must not reach the plan (which refuses it too)."""
+    such a step must not reach the plan (which refuses it too). 17 rows: above the per-row GEMV
+    formats' 16, within the multi-row kernels' 32 (int8 with VNNI, int4)."""
     lm = LLM(quantized_dir, dtype="float32").model
-    num_seqs = 17  # above the 16 rows of the per-row GEMV formats
+    num_seqs = 17
     states, kv = pools(lm, num_seqs)
     plan = decode_step.build_plan(lm, states, kv)
-    vnni = all(getattr(spec, name).kind == decode_step.Q8_VNNI for spec in plan.layers
-               for name in ("mix_in", "mix_out", "gate_up", "down"))
-    assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if vnni else 16)
+    multi = all(getattr(spec, name).kind in (decode_step.Q8_VNNI, decode_step.A4)
+                for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
+    assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if multi else 16)
     seqs = [([3], 0)] * num_seqs
     step(lm, states, kv, seqs, plan.max_rows >= num_seqs, monkeypatch)  # asserts plan (not) used
     with pytest.raises(ValueError, match="rows"):

@@ -332,6 +332,87 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
 }
 
 #if defined(__AVX512F__)
+// block_a4 for activation rows m0 and (if two) m0 + 1 of a multi-row call: each 16-byte chunk of
+// codes is unpacked once for both rows, and every (row, weight row) accumulator takes block_a4's
+// FMAs in block_a4's order, so each row gets the bits of its own GEMV. xe/xo/xs hold each row's
+// even / odd x and group sums (row strides K/2, K/2, K/G); y is [M, N].
+static void block_a4_rows(const uint8_t* w, const float* s, const float* b, const float* xe,
+                          const float* xo, const float* xs, float* y, long n0, long m0, int two,
+                          long N, long K, long G) {
+  const __m512i mask = _mm512_set1_epi32(0xF);
+  const long bytes = K / 2, num_groups = K / G;
+  const float *e0 = xe + m0 * bytes, *o0 = xo + m0 * bytes, *e1 = e0 + bytes, *o1 = o0 + bytes;
+  __m512 total[2][Q8_ROWS];
+  float bias[2][Q8_ROWS];
+  for (int m = 0; m < 2; m++)
+    for (int r = 0; r < Q8_ROWS; r++) total[m][r] = _mm512_setzero_ps(), bias[m][r] = 0.f;
+  const uint8_t* rows = w + n0 * bytes;
+  for (long g = 0; g < num_groups; g++) {
+    __m512 v[2][Q8_ROWS];
+    for (int m = 0; m < 2; m++)
+      for (int r = 0; r < Q8_ROWS; r++) v[m][r] = _mm512_setzero_ps();
+    for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
+      const __m512 ea = _mm512_loadu_ps(e0 + i), oa = _mm512_loadu_ps(o0 + i);
+      const __m512 eb = two ? _mm512_loadu_ps(e1 + i) : ea, ob = two ? _mm512_loadu_ps(o1 + i) : oa;
+      for (int r = 0; r < Q8_ROWS; r++) {
+        const uint8_t* p = rows + r * bytes + i;
+        _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        v[0][r] = _mm512_fmadd_ps(hi, oa, _mm512_fmadd_ps(lo, ea, v[0][r]));
+        v[1][r] = _mm512_fmadd_ps(hi, ob, _mm512_fmadd_ps(lo, eb, v[1][r]));
+      }
+    }
+    for (int m = 0; m < 2; m++) {
+      for (int r = 0; r < Q8_ROWS; r++) {
+        const long idx = (n0 + r) * num_groups + g;
+        total[m][r] = _mm512_fmadd_ps(v[m][r], _mm512_set1_ps(s[idx]), total[m][r]);
+        bias[m][r] += b[idx] * xs[(m0 + m) * num_groups + g];
+      }
+    }
+  }
+  for (int m = 0; m < 1 + two; m++)
+    for (int r = 0; r < Q8_ROWS; r++)
+      y[(m0 + m) * N + n0 + r] = bias[m][r] + _mm512_reduce_add_ps(total[m][r]);
+}
+#endif
+
+// M activation rows (decode batches, draft rows) over 4-bit affine codes: the codes stream from
+// memory once and each chunk is unpacked once per two rows; the bits of M ds_gemv_a4 calls.
+void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y,
+                long M, long N, long K, long G, int num_threads) {
+  const long half = K / 2, num_groups = K / G;
+  float* xe = malloc(sizeof(float) * M * (K + num_groups + 1));
+  if (xe == NULL) abort();  // out of memory: stop rather than write through NULL
+  float *xo = xe + M * half, *xs = xo + M * half;
+  for (long m = 0; m < M; m++) {
+    for (long i = 0; i < half; i++) {
+      xe[m * half + i] = x[m * K + 2 * i];
+      xo[m * half + i] = x[m * K + 2 * i + 1];
+    }
+    group_sums(x + m * K, xs + m * num_groups, K, G);
+  }
+  long first_tail = 0;
+#if defined(__AVX512F__)
+  if (G % 32 == 0) {
+    const long num_blocks = N / Q8_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long blk = 0; blk < num_blocks; blk++)
+      for (long m0 = 0; m0 < M; m0 += 2)
+        block_a4_rows(w, s, b, xe, xo, xs, y, blk * Q8_ROWS, m0, m0 + 1 < M, N, K, G);
+    first_tail = num_blocks * Q8_ROWS;
+  }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+  for (long m = 0; m < M; m++)
+    for (long n = first_tail; n < N; n++)
+      y[m * N + n] = row_a4(w + n * half, s + n * num_groups, b + n * num_groups, xe + m * half,
+                            xo + m * half, xs + m * num_groups, K, G);
+  free(xe);
+}
+
+#if defined(__AVX512F__)
 // Q8_ROWS rows share each x load: per 16 weights one masked add of x (the set bits), per group
 // one FMA of that partial sum with 2*s into the row's vector, so one horizontal sum per row
 // (row_q1 summed every group horizontally: compute-bound at ~10% of the memory roofline).
