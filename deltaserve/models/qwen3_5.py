@@ -15,6 +15,7 @@ from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
 from deltaserve.ops import decode_step
+from deltaserve.ops import norm as norm_ops
 from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
@@ -173,9 +174,12 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def _native_plan(self, batch: StepBatch):
         """The native decode plan when this step is decode and draft-verify rows only on CPU, no
-        more of them than the plan's kernels take (no tensor or pipeline split), else None."""
-        if batch.prefill or self.tp is not None \
-                or self.pp is not None or self.device.type != "cpu":
+        more of them than the plan's kernels take (no tensor or pipeline split), else None. Only
+        within ops/norm.native_rows (the runner's decode-only steps): there the layered path runs
+        the per-row kernels the plan runs, so both give the same bits."""
+        if batch.prefill or self.tp is not None or self.pp is not None \
+                or self.device.type != "cpu" or not norm_ops.all_rows_native() \
+                or (batch.verify and batch.spec is None):  # verify rows need their record
             return None
         key = decode_step.pools_key(batch.states, batch.kv)
         if self._plan is None or self._plan[0] != key:

@@ -158,6 +158,11 @@ class DecodePlan:
         rows = x.shape[0]
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a native decode step takes 1..{self.max_rows} rows, not {rows}")
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.model.hidden \
+                or positions.dtype != torch.long or tables.dtype != torch.long \
+                or cos.shape != (rows, self.model.rot_dim) or sin.shape != cos.shape:
+            raise ValueError("native decode step: x [rows, hidden] fp32 contiguous, int64 "
+                             "positions and tables, cos/sin [rows, rot_dim]")
         need = self._work_floats(rows)
         if self.work.numel() < need:
             self.work = torch.empty(need, dtype=torch.float32)

@@ -17,6 +17,11 @@ NATIVE_MAX_ROWS = 8
 _all_rows_native = [False]
 
 
+def all_rows_native() -> bool:
+    """Whether the caller is within native_rows (a step without prefill chunks)."""
+    return _all_rows_native[0]
+
+
 @contextlib.contextmanager
 def native_rows(enabled: bool = True):
     """Within: CPU fp32 rms_norm calls run natively whatever their row count."""

@@ -123,7 +123,7 @@ def _states_buffer(sizes: list[int], shapes) -> tuple[torch.Tensor, list]:
     """One flat fp32 buffer holding, step after step, n conv windows then n states per step of n
     slots; and the (conv [n,C,W-1], state [n,HV,K,V]) views of each step."""
     conv_numel, state_numel = (shape.numel() for shape in shapes)
-    flat = torch.empty(sum(sizes) * (conv_numel + state_numel))
+    flat = torch.empty(sum(sizes) * (conv_numel + state_numel), dtype=torch.float32)
     views, at = [], 0
     for n in sizes:
         conv = flat[at : at + n * conv_numel].view(n, *shapes[0])
@@ -138,7 +138,7 @@ def _rows_buffer(sizes: list[int], conv_shape, state_shape) -> tuple[torch.Tenso
     qkv [n,C], z [n,HV*V], b [n,HV], a [n,HV] blocks; and those views."""
     num_heads = state_shape[0]
     widths = (conv_shape[0], num_heads * state_shape[2], num_heads, num_heads)
-    flat = torch.empty(sum(sizes) * sum(widths))
+    flat = torch.empty(sum(sizes) * sum(widths), dtype=torch.float32)
     views, at = [], 0
     for n in sizes:
         rows = []

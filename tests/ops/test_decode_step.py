@@ -55,9 +55,24 @@ def table(seq: int, num_seqs: int) -> tuple[int, ...]:
     return tuple(seq + num_seqs * j for j in range(BLOCKS_PER_SEQ))
 
 
-def step(lm, states, kv, seqs: list[tuple[list[int], int]], fused: bool, monkeypatch
-         ) -> torch.Tensor:
-    """One forward_batch: sequence i (pool slot i + 1) feeds ids at positions [start, ...)."""
+def forward(lm, ids: torch.Tensor, batch: StepBatch, native: bool, monkeypatch) -> torch.Tensor:
+    """lm.forward_batch as the runner calls it (native_rows without prefill chunks), asserting
+    whether the one native call ran."""
+    calls = []
+    run = decode_step.DecodePlan.run
+    monkeypatch.setattr(decode_step.DecodePlan, "run",
+                        lambda plan, *args: calls.append(1) or run(plan, *args))
+    with native_rows(not batch.prefill):
+        logits = lm.forward_batch(ids, batch)
+    monkeypatch.setattr(decode_step.DecodePlan, "run", run)
+    assert len(calls) == int(native), f"the native call ran {len(calls)} times"
+    return logits
+
+
+def step(lm, states, kv, seqs: list[tuple[list[int], int]], fused: bool, monkeypatch,
+         native: bool | None = None) -> torch.Tensor:
+    """One forward_batch: sequence i (pool slot i + 1) feeds ids at positions [start, ...);
+    `native`: whether the native call must run (default: `fused`)."""
     monkeypatch.setenv("DELTASERVE_FUSED_DECODE", "1" if fused else "0")
     env.cache_clear()
     lm._plan = None
@@ -65,11 +80,7 @@ def step(lm, states, kv, seqs: list[tuple[list[int], int]], fused: bool, monkeyp
               for i, (ids, start) in enumerate(seqs)]
     batch = StepBatch.build(chunks, states, kv, "cpu")
     ids = torch.tensor([t for ids, _ in seqs for t in ids])
-    with native_rows(not batch.prefill):
-        logits = lm.forward_batch(ids, batch)
-    if not batch.prefill:
-        assert (lm._plan[1] is not None) == fused, "the native plan was (not) used as asked"
-    return logits
+    return forward(lm, ids, batch, fused if native is None else native, monkeypatch)
 
 
 def assert_native_equals_layered(lm, monkeypatch, num_seqs: int = 1, num_decode: int = 7) -> None:
@@ -141,10 +152,7 @@ def verify_step(lm, states, kv, chunks, ids, strategy, fused: bool, monkeypatch)
     lm._plan = None
     batch = StepBatch.build(chunks, states, kv, "cpu")
     batch.spec = VerifyRecord(batch, strategy)
-    with native_rows():
-        logits = lm.forward_batch(torch.tensor(ids), batch)
-    assert (lm._plan[1] is not None) == fused, "the native plan was (not) used as asked"
-    return logits, batch.spec
+    return forward(lm, torch.tensor(ids), batch, fused, monkeypatch), batch.spec
 
 
 def assert_pools_equal(a, b) -> None:
@@ -188,21 +196,36 @@ def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
 
 def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeypatch) -> None:
     """Above max_rows the layered path dequantizes for torch's GEMM, which the plan does not run:
-    such a step must not reach the plan (which refuses it too). 17 rows: above the per-row GEMV
-    formats' 16, within the multi-row kernels' 32 (int8 with VNNI, int4)."""
+    such a step must not reach the plan (which refuses it too). The multi-row kernels (int8 with
+    VNNI, int4) take 32 rows, the per-row GEMV formats 16."""
     lm = LLM(quantized_dir, dtype="float32").model
-    num_seqs = 17
-    states, kv = pools(lm, num_seqs)
-    plan = decode_step.build_plan(lm, states, kv)
+    plan = decode_step.build_plan(lm, *pools(lm))
     multi = all(getattr(spec, name).kind in (decode_step.Q8_VNNI, decode_step.A4)
                 for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
     assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if multi else 16)
-    seqs = [([3], 0)] * num_seqs
-    step(lm, states, kv, seqs, plan.max_rows >= num_seqs, monkeypatch)  # asserts plan (not) used
+    for num_seqs in (plan.max_rows, plan.max_rows + 1):
+        states, kv = pools(lm, num_seqs)
+        step(lm, states, kv, [([3], 0)] * num_seqs, True, monkeypatch,
+             native=num_seqs <= plan.max_rows)
     with pytest.raises(ValueError, match="rows"):
         x = torch.zeros(plan.max_rows + 1, lm.cfg.hidden_size)
         zeros = torch.zeros(plan.max_rows + 1, dtype=torch.long)
         plan.run(x, zeros, zeros, zeros[:, None], x[:, :2], x[:, :2])
+
+
+def test_the_plan_needs_the_runners_native_rows(tiny_dir, monkeypatch) -> None:
+    """Outside native_rows the layered path runs torch's norms and silu for decode rows, and a
+    verify chunk without its rollback record cannot run natively: both go layered."""
+    lm = LLM(tiny_dir, dtype="bfloat16").model
+    states, kv = pools(lm, 2)
+    chunks = [SeqChunk(s + 1, 0, 1, table(s, 2)) for s in range(2)]
+    batch = StepBatch.build(chunks, states, kv, "cpu")
+    with native_rows(False):
+        assert lm._native_plan(batch) is None
+    with native_rows():
+        assert lm._native_plan(batch) is not None
+        verify = StepBatch.build([SeqChunk(1, 0, 3, table(0, 2), verify=True)], states, kv, "cpu")
+        assert lm._native_plan(verify) is None  # no batch.spec
 
 
 def test_generation_is_unchanged_by_the_native_step(tiny_dir, monkeypatch) -> None:
