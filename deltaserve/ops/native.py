@@ -1,7 +1,9 @@
 """Small C kernels for the CPU, compiled on first use with the system C compiler and loaded by ctypes.
 
 No torch headers (a build takes well under a second); built with -march=native into the cache
-folder, keyed by source and flags. If no compiler works, callers fall back to torch.
+folder, keyed by source and flags. The vector paths take AVX-512 or, on CPUs without it (most
+laptops), AVX2 + FMA (csrc/simd.h); elsewhere their scalar loops run. If no compiler works,
+callers fall back to torch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from deltaserve.env import env
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -29,18 +32,22 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL | None:
+def build(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The kernels compiled for -march=`march` (tests build the AVX2 and scalar paths this way on
+    an AVX-512 machine), cached under cache_dir (default: the cache folder) by source and flags;
+    None if no compiler works."""
     cc = _compiler()
     if cc is None:
         return None
-    source = b"".join(f.read_bytes() for f in _SOURCES)
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = env().cache_dir / "native" / key / "libdeltaserve_cpu.so"
+    flags = [*_FLAGS, f"-march={march}"]
+    source = b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS))
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = (cache_dir or env().cache_dir) / "native" / key / "libdeltaserve_cpu.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         proc = subprocess.run(
-            [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp), "-lm"],
+            [cc, *flags, *map(str, _SOURCES), "-o", str(tmp), "-lm"],
             capture_output=True,
             text=True,
         )
@@ -51,7 +58,12 @@ def _build() -> ctypes.CDLL | None:
             )
             return None
         tmp.replace(out)
-    lib = ctypes.CDLL(str(out))
+    return _declare(ctypes.CDLL(str(out)))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument types of the kernels called from several places (others register beside their
+    one caller)."""
     lib.ds_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.ds_gemv_bf16.restype = None
     lib.ds_gdn_decode.argtypes = (
@@ -82,7 +94,7 @@ def native_lib() -> ctypes.CDLL | None:
     if not _tried:
         _tried = True
         try:
-            _lib = _build() if env().native else None
+            _lib = build() if env().native else None
         except OSError as exc:
             print(
                 f"deltaserve: CPU kernels unavailable ({exc}); using torch's path", file=sys.stderr

@@ -8,9 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4 };
 
@@ -70,10 +68,10 @@ void ds_rmsnorm(const float* x, const float* w, float* y, long rows, long dim, f
 static float dot_f32(const float* a, const float* b, long n) {
   long i = 0;
   float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-  acc = _mm512_reduce_add_ps(v);
+#if DS_SIMD16
+  vf16 v = vf_zero();
+  for (; i + 16 <= n; i += 16) v = vf_fma(vf_load(a + i), vf_load(b + i), v);
+  acc = vf_sum(v);
 #endif
   for (; i < n; i++) acc += a[i] * b[i];
   return acc;

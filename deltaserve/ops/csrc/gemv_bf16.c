@@ -12,9 +12,12 @@
 #else
 #define DS_FTZ()
 #endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+
+// a * b + c stays two roundings wherever it is written here, so a scalar expression repeated in a
+// GEMV and its multi-row form gives the same bits in both (the compiler may fuse one and not the
+// other, as the AVX2 build did); the vector FMAs are explicit intrinsics.
+#pragma GCC optimize("fp-contract=off")
 
 #define ROWS 8
 
@@ -38,29 +41,25 @@ static void rows_scalar_m(const uint16_t* w, const float* x, float* y, long n0, 
   }
 }
 
-#if defined(__AVX512F__)
-static inline __m512 load_bf16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#if DS_SIMD16
 
-static void block_avx512(const uint16_t* w, const float* x, float* y, long n0, long K) {
+static void block_simd(const uint16_t* w, const float* x, float* y, long n0, long K) {
   const uint16_t* r = w + n0 * K;
-  __m512 acc[ROWS];
-  for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+  vf16 acc[ROWS];
+  for (int i = 0; i < ROWS; i++) acc[i] = vf_zero();
   long k = 0;
   for (; k + 32 <= K; k += 32) {
-    __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    vf16 x0 = vf_load(x + k), x1 = vf_load(x + k + 16);
     for (int i = 0; i < ROWS; i++) {
       _mm_prefetch((const char*)(r + (i + ROWS) * K + k), _MM_HINT_T0);
-      acc[i] = _mm512_fmadd_ps(load_bf16(r + i * K + k), x0, acc[i]);
-      acc[i] = _mm512_fmadd_ps(load_bf16(r + i * K + k + 16), x1, acc[i]);
+      acc[i] = vf_fma(vf_load_bf16(r + i * K + k), x0, acc[i]);
+      acc[i] = vf_fma(vf_load_bf16(r + i * K + k + 16), x1, acc[i]);
     }
   }
   for (int i = 0; i < ROWS; i++) {
     float tail = 0.f;
     for (long t = k; t < K; t++) tail += bf16_to_f32(r[i * K + t]) * x[t];
-    y[n0 + i] = _mm512_reduce_add_ps(acc[i]) + tail;
+    y[n0 + i] = vf_sum(acc[i]) + tail;
   }
 }
 #endif
@@ -72,8 +71,8 @@ void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, i
   DS_FTZ();
 #pragma omp for schedule(static)
   for (long b = 0; b < num_blocks; b++) {
-#if defined(__AVX512F__)
-    block_avx512(w, x, y, b * ROWS, K);
+#if DS_SIMD16
+    block_simd(w, x, y, b * ROWS, K);
 #else
     __builtin_prefetch(w + (b + 1) * ROWS * K);
     rows_scalar_m(w, x, y, b * ROWS, (b + 1) * ROWS, 1, N, K);
@@ -88,29 +87,33 @@ void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, i
 // and meets the activation rows 4 at a time while it sits in L1: weight traffic as for one row,
 // 16 accumulators per (4 weight rows x 4 activation rows) tile.
 #define WR 4
-#define XR 4
 #if defined(__AVX512F__)
-static void tile_avx512(const uint16_t* w, const float* x, float* y, long n0, long m0, long nx,
+#define XR 4
+#else  // AVX2: 16 registers, and each vf16 takes two
+#define XR 2
+#endif
+#if DS_SIMD16
+static void tile_simd(const uint16_t* w, const float* x, float* y, long n0, long m0, long nx,
                         long N, long K) {
-  __m512 acc[XR][WR];
+  vf16 acc[XR][WR];
   for (int m = 0; m < XR; m++)
-    for (int r = 0; r < WR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < WR; r++) acc[m][r] = vf_zero();
   const uint16_t* rows = w + n0 * K;
   long k = 0;
   for (; k + 16 <= K; k += 16) {
-    __m512 wv[WR];
-    for (int r = 0; r < WR; r++) wv[r] = load_bf16(rows + r * K + k);
+    vf16 wv[WR];
+    for (int r = 0; r < WR; r++) wv[r] = vf_load_bf16(rows + r * K + k);
     for (int m = 0; m < XR; m++) {
       if (m >= nx) break;
-      __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
-      for (int r = 0; r < WR; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+      vf16 xv = vf_load(x + (m0 + m) * K + k);
+      for (int r = 0; r < WR; r++) acc[m][r] = vf_fma(wv[r], xv, acc[m][r]);
     }
   }
   for (int m = 0; m < nx; m++) {
     for (int r = 0; r < WR; r++) {
       float tail = 0.f;
       for (long t = k; t < K; t++) tail += bf16_to_f32(rows[r * K + t]) * x[(m0 + m) * K + t];
-      y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) + tail;
+      y[(m0 + m) * N + n0 + r] = vf_sum(acc[m][r]) + tail;
     }
   }
 }
@@ -124,10 +127,10 @@ void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, l
   DS_FTZ();
 #pragma omp for schedule(static)
   for (long b = 0; b < num_blocks; b++) {
-#if defined(__AVX512F__)
+#if DS_SIMD16
     if (b + 1 < num_blocks) _mm_prefetch((const char*)(w + (b + 1) * WR * K), _MM_HINT_T0);
     for (long m0 = 0; m0 < M; m0 += XR)
-      tile_avx512(w, x, y, b * WR, m0, M - m0 < XR ? M - m0 : XR, N, K);
+      tile_simd(w, x, y, b * WR, m0, M - m0 < XR ? M - m0 : XR, N, K);
 #else
     rows_scalar_m(w, x, y, b * WR, (b + 1) * WR, M, N, K);
 #endif

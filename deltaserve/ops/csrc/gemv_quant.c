@@ -7,9 +7,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+
+// a * b + c stays two roundings wherever it is written here, so a scalar expression repeated in a
+// GEMV and its multi-row form gives the same bits in both (the compiler may fuse one and not the
+// other, as the AVX2 build did); the vector FMAs are explicit intrinsics.
+#pragma GCC optimize("fp-contract=off")
 
 static void group_sums(const float* x, float* xs, long K, long G) {
   for (long g = 0; g < K / G; g++) {
@@ -21,18 +24,17 @@ static void group_sums(const float* x, float* xs, long K, long G) {
 
 static float row_q8(const int8_t* w, const float* s, const float* x, long K, long G) {
   float acc = 0.f;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 16 == 0) {  // per-group partial sums scaled as vectors: one horizontal sum per row
-    __m512 total = _mm512_setzero_ps();
+    vf16 total = vf_zero();
     for (long g = 0; g < K / G; g++) {
-      __m512 v = _mm512_setzero_ps();
+      vf16 v = vf_zero();
       for (long k = g * G; k < (g + 1) * G; k += 16) {
-        __m128i b = _mm_loadu_si128((const __m128i*)(w + k));
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_loadu_ps(x + k), v);
+        v = vf_fma(vf_load_i8(w + k), vf_load(x + k), v);
       }
-      total = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), total);
+      total = vf_fma(v, vf_set1(s[g]), total);
     }
-    return _mm512_reduce_add_ps(total);
+    return vf_sum(total);
   }
 #endif
   for (long g = 0; g < K / G; g++) {
@@ -47,21 +49,21 @@ static float row_q8(const int8_t* w, const float* s, const float* x, long K, lon
 static float row_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
                     const float* xo, const float* xs, long K, long G) {
   float acc = 0.f;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 32 == 0) {
-    __m512 total = _mm512_setzero_ps();
-    const __m512i m = _mm512_set1_epi32(0xF);
+    vf16 total = vf_zero();
     for (long g = 0; g < K / G; g++) {
-      __m512 v = _mm512_setzero_ps();
+      vf16 v = vf_zero();
       for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + i)));
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), _mm512_loadu_ps(xe + i), v);
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(xo + i), v);
+        vf16 lo, hi;
+        vf_load_u4(w + i, &lo, &hi);
+        v = vf_fma(lo, vf_load(xe + i), v);
+        v = vf_fma(hi, vf_load(xo + i), v);
       }
-      total = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), total);
+      total = vf_fma(v, vf_set1(s[g]), total);
       acc += b[g] * xs[g];
     }
-    return acc + _mm512_reduce_add_ps(total);
+    return acc + vf_sum(total);
   }
 #endif
   for (long g = 0; g < K / G; g++) {
@@ -70,15 +72,15 @@ static float row_a4(const uint8_t* w, const float* s, const float* b, const floa
     const float* og = xo + g * G / 2;
     float part = 0.f;
     long i = 0;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_setzero_ps();
-    const __m512i m = _mm512_set1_epi32(0xF);
+#if DS_SIMD16
+    vf16 v = vf_zero();
     for (; i + 16 <= G / 2; i += 16) {
-      __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wg + i)));
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), _mm512_loadu_ps(eg + i), v);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(og + i), v);
+      vf16 lo, hi;
+      vf_load_u4(wg + i, &lo, &hi);
+      v = vf_fma(lo, vf_load(eg + i), v);
+      v = vf_fma(hi, vf_load(og + i), v);
     }
-    part = _mm512_reduce_add_ps(v);
+    part = vf_sum(v);
 #endif
     for (; i < G / 2; i++) part += (float)(wg[i] & 0xF) * eg[i] + (float)(wg[i] >> 4) * og[i];
     acc += part * s[g] + b[g] * xs[g];
@@ -94,13 +96,12 @@ static float row_q1(const uint8_t* w, const float* s, const float* x, const floa
     const float* xg = x + g * G;
     float part = 0.f;
     long k = 0;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_setzero_ps();
+#if DS_SIMD16
+    vf16 v = vf_zero();
     for (; k + 16 <= G; k += 16) {
-      __mmask16 bits = (__mmask16)(wg[k / 8] | (wg[k / 8 + 1] << 8));
-      v = _mm512_mask_add_ps(v, bits, v, _mm512_loadu_ps(xg + k));
+      v = vf_mask_add(v, (uint16_t)(wg[k / 8] | (wg[k / 8 + 1] << 8)), vf_load(xg + k));
     }
-    part = _mm512_reduce_add_ps(v);
+    part = vf_sum(v);
 #endif
     for (; k < G; k++) part += ((wg[k / 8] >> (k % 8)) & 1) ? xg[k] : 0.f;
     acc += s[g] * (2.f * part - xs[g]);
@@ -108,38 +109,37 @@ static float row_q1(const uint8_t* w, const float* s, const float* x, const floa
   return acc;
 }
 
-#if defined(__AVX512F__)
+#if DS_SIMD16
 #define Q8_ROWS 4
 // Q8_ROWS rows at once share each x load; the next block's codes are prefetched (bf16 kernel's
 // recipe: one row at a time streamed ~12 GB/s on the vocabulary head here).
 static void block_q8(const int8_t* w, const float* s, const float* x, float* y, long n0, long K,
                      long G) {
-  __m512 total[Q8_ROWS];
-  for (int r = 0; r < Q8_ROWS; r++) total[r] = _mm512_setzero_ps();
+  vf16 total[Q8_ROWS];
+  for (int r = 0; r < Q8_ROWS; r++) total[r] = vf_zero();
   const int8_t* rows = w + n0 * K;
   for (long g = 0; g < K / G; g++) {
-    __m512 v[Q8_ROWS];
-    for (int r = 0; r < Q8_ROWS; r++) v[r] = _mm512_setzero_ps();
+    vf16 v[Q8_ROWS];
+    for (int r = 0; r < Q8_ROWS; r++) v[r] = vf_zero();
     for (long k = g * G; k < (g + 1) * G; k += 16) {
-      __m512 xv = _mm512_loadu_ps(x + k);
+      vf16 xv = vf_load(x + k);
       for (int r = 0; r < Q8_ROWS; r++) {
         const int8_t* p = rows + r * K + k;
         _mm_prefetch((const char*)(p + Q8_ROWS * K), _MM_HINT_T0);
-        __m128i b = _mm_loadu_si128((const __m128i*)p);
-        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), xv, v[r]);
+        v[r] = vf_fma(vf_load_i8(p), xv, v[r]);
       }
     }
     for (int r = 0; r < Q8_ROWS; r++)
-      total[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(s[(n0 + r) * (K / G) + g]), total[r]);
+      total[r] = vf_fma(v[r], vf_set1(s[(n0 + r) * (K / G) + g]), total[r]);
   }
-  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
+  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = vf_sum(total[r]);
 }
 #endif
 
 void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
                 int num_threads) {
   long first_tail = 0;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 16 == 0) {
     long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -272,36 +272,36 @@ void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, 
 }
 #endif
 
-#if defined(__AVX512F__)
+#if DS_SIMD16
 // as block_q8: Q8_ROWS rows share each x load; codes of the next block prefetched
 static void block_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
                      const float* xo, const float* xs, float* y, long n0, long K, long G) {
-  const __m512i m = _mm512_set1_epi32(0xF);
   const long bytes = K / 2, num_groups = K / G;
-  __m512 total[Q8_ROWS];
+  vf16 total[Q8_ROWS];
   float bias[Q8_ROWS];
-  for (int r = 0; r < Q8_ROWS; r++) total[r] = _mm512_setzero_ps(), bias[r] = 0.f;
+  for (int r = 0; r < Q8_ROWS; r++) total[r] = vf_zero(), bias[r] = 0.f;
   const uint8_t* rows = w + n0 * bytes;
   for (long g = 0; g < num_groups; g++) {
-    __m512 v[Q8_ROWS];
-    for (int r = 0; r < Q8_ROWS; r++) v[r] = _mm512_setzero_ps();
+    vf16 v[Q8_ROWS];
+    for (int r = 0; r < Q8_ROWS; r++) v[r] = vf_zero();
     for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
-      __m512 e = _mm512_loadu_ps(xe + i), o = _mm512_loadu_ps(xo + i);
+      vf16 e = vf_load(xe + i), o = vf_load(xo + i);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + i;
         _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m)), e, v[r]);
-        v[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o, v[r]);
+        vf16 lo, hi;
+        vf_load_u4(p, &lo, &hi);
+        v[r] = vf_fma(lo, e, v[r]);
+        v[r] = vf_fma(hi, o, v[r]);
       }
     }
     for (int r = 0; r < Q8_ROWS; r++) {
       long idx = (n0 + r) * num_groups + g;
-      total[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(s[idx]), total[r]);
+      total[r] = vf_fma(v[r], vf_set1(s[idx]), total[r]);
       bias[r] += b[idx] * xs[g];
     }
   }
-  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = bias[r] + _mm512_reduce_add_ps(total[r]);
+  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = bias[r] + vf_sum(total[r]);
 }
 #endif
 
@@ -316,7 +316,7 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
   }
   group_sums(x, xs, K, G);
   long first_tail = 0;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 32 == 0) {
     long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -331,7 +331,7 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
   free(xe);
 }
 
-#if defined(__AVX512F__)
+#if DS_SIMD16
 // block_a4 for activation rows m0 and (if two) m0 + 1 of a multi-row call: each 16-byte chunk of
 // codes is unpacked once for both rows, and every (row, weight row) accumulator takes block_a4's
 // FMAs in block_a4's order, so each row gets the bits of its own GEMV. xe/xo/xs hold each row's
@@ -339,42 +339,40 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
 static void block_a4_rows(const uint8_t* w, const float* s, const float* b, const float* xe,
                           const float* xo, const float* xs, float* y, long n0, long m0, int two,
                           long N, long K, long G) {
-  const __m512i mask = _mm512_set1_epi32(0xF);
   const long bytes = K / 2, num_groups = K / G;
   const float *e0 = xe + m0 * bytes, *o0 = xo + m0 * bytes, *e1 = e0 + bytes, *o1 = o0 + bytes;
-  __m512 total[2][Q8_ROWS];
+  vf16 total[2][Q8_ROWS];
   float bias[2][Q8_ROWS];
   for (int m = 0; m < 2; m++)
-    for (int r = 0; r < Q8_ROWS; r++) total[m][r] = _mm512_setzero_ps(), bias[m][r] = 0.f;
+    for (int r = 0; r < Q8_ROWS; r++) total[m][r] = vf_zero(), bias[m][r] = 0.f;
   const uint8_t* rows = w + n0 * bytes;
   for (long g = 0; g < num_groups; g++) {
-    __m512 v[2][Q8_ROWS];
+    vf16 v[2][Q8_ROWS];
     for (int m = 0; m < 2; m++)
-      for (int r = 0; r < Q8_ROWS; r++) v[m][r] = _mm512_setzero_ps();
+      for (int r = 0; r < Q8_ROWS; r++) v[m][r] = vf_zero();
     for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
-      const __m512 ea = _mm512_loadu_ps(e0 + i), oa = _mm512_loadu_ps(o0 + i);
-      const __m512 eb = two ? _mm512_loadu_ps(e1 + i) : ea, ob = two ? _mm512_loadu_ps(o1 + i) : oa;
+      const vf16 ea = vf_load(e0 + i), oa = vf_load(o0 + i);
+      const vf16 eb = two ? vf_load(e1 + i) : ea, ob = two ? vf_load(o1 + i) : oa;
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + i;
         _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-        v[0][r] = _mm512_fmadd_ps(hi, oa, _mm512_fmadd_ps(lo, ea, v[0][r]));
-        v[1][r] = _mm512_fmadd_ps(hi, ob, _mm512_fmadd_ps(lo, eb, v[1][r]));
+        vf16 lo, hi;
+        vf_load_u4(p, &lo, &hi);
+        v[0][r] = vf_fma(hi, oa, vf_fma(lo, ea, v[0][r]));
+        v[1][r] = vf_fma(hi, ob, vf_fma(lo, eb, v[1][r]));
       }
     }
     for (int m = 0; m < 2; m++) {
       for (int r = 0; r < Q8_ROWS; r++) {
         const long idx = (n0 + r) * num_groups + g;
-        total[m][r] = _mm512_fmadd_ps(v[m][r], _mm512_set1_ps(s[idx]), total[m][r]);
+        total[m][r] = vf_fma(v[m][r], vf_set1(s[idx]), total[m][r]);
         bias[m][r] += b[idx] * xs[(m0 + m) * num_groups + g];
       }
     }
   }
   for (int m = 0; m < 1 + two; m++)
     for (int r = 0; r < Q8_ROWS; r++)
-      y[(m0 + m) * N + n0 + r] = bias[m][r] + _mm512_reduce_add_ps(total[m][r]);
+      y[(m0 + m) * N + n0 + r] = bias[m][r] + vf_sum(total[m][r]);
 }
 #endif
 
@@ -394,7 +392,7 @@ void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x
     group_sums(x + m * K, xs + m * num_groups, K, G);
   }
   long first_tail = 0;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 32 == 0) {
     const long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -412,35 +410,35 @@ void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x
   free(xe);
 }
 
-#if defined(__AVX512F__)
+#if DS_SIMD16
 // Q8_ROWS rows share each x load: per 16 weights one masked add of x (the set bits), per group
 // one FMA of that partial sum with 2*s into the row's vector, so one horizontal sum per row
 // (row_q1 summed every group horizontally: compute-bound at ~10% of the memory roofline).
 static void block_q1(const uint8_t* w, const float* s, const float* x, const float* xs, float* y,
                      long n0, long K, long G) {
   const long bytes = K / 8, num_groups = K / G;
-  __m512 total[Q8_ROWS];
+  vf16 total[Q8_ROWS];
   float bias[Q8_ROWS];
-  for (int r = 0; r < Q8_ROWS; r++) total[r] = _mm512_setzero_ps(), bias[r] = 0.f;
+  for (int r = 0; r < Q8_ROWS; r++) total[r] = vf_zero(), bias[r] = 0.f;
   const uint8_t* rows = w + n0 * bytes;
   for (long g = 0; g < num_groups; g++) {
-    __m512 v[Q8_ROWS];
-    for (int r = 0; r < Q8_ROWS; r++) v[r] = _mm512_setzero_ps();
+    vf16 v[Q8_ROWS];
+    for (int r = 0; r < Q8_ROWS; r++) v[r] = vf_zero();
     for (long k = g * G; k < (g + 1) * G; k += 16) {
-      const __m512 xv = _mm512_loadu_ps(x + k);
+      const vf16 xv = vf_load(x + k);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + k / 8;
         _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
-        v[r] = _mm512_mask_add_ps(v[r], (__mmask16)(p[0] | (p[1] << 8)), v[r], xv);
+        v[r] = vf_mask_add(v[r], (uint16_t)(p[0] | (p[1] << 8)), xv);
       }
     }
     for (int r = 0; r < Q8_ROWS; r++) {
       const float sc = s[(n0 + r) * num_groups + g];
-      total[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(2.f * sc), total[r]);
+      total[r] = vf_fma(v[r], vf_set1(2.f * sc), total[r]);
       bias[r] += sc * xs[g];
     }
   }
-  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]) - bias[r];
+  for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = vf_sum(total[r]) - bias[r];
 }
 #endif
 
@@ -449,7 +447,7 @@ void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long
   float* xs = malloc(sizeof(float) * (K / G + 1));
   group_sums(x, xs, K, G);
   long first_tail = 0;
-#if defined(__AVX512F__)
+#if DS_SIMD16
   if (G % 16 == 0) {
     const long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)

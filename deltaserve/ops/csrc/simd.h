@@ -1,0 +1,94 @@
+// 16 fp32 lanes for the CPU kernels: one AVX-512 register, or two AVX2 registers on CPUs without
+// AVX-512 (most laptops), so each kernel is written once. DS_SIMD16 is 0 where neither exists
+// (the kernels' scalar loops run). Within one build the lane order of every reduction is fixed,
+// so a kernel gives the same bits whichever caller runs it; AVX2 and AVX-512 builds differ in
+// the last bits (another summation order), as two machines do.
+#ifndef DS_SIMD_H
+#define DS_SIMD_H
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DS_SIMD16 1
+typedef __m512 vf16;
+static inline vf16 vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf16 vf_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf16 vf_set1(float s) { return _mm512_set1_ps(s); }
+static inline vf16 vf_fma(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
+// 16 bf16 -> fp32 (a bf16 is the top half of its fp32)
+static inline vf16 vf_load_bf16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 16 int8 -> fp32
+static inline vf16 vf_load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// 16 bytes of nibbles -> their low nibbles (*lo) and high nibbles (*hi) as fp32
+static inline void vf_load_u4(const uint8_t* p, vf16* lo, vf16* hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF)));
+  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+}
+// v + x in the lanes whose bit is set in `bits` (lane i: bit i), v elsewhere
+static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
+  return _mm512_mask_add_ps(v, (__mmask16)bits, v, x);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DS_SIMD16 1
+typedef struct {
+  __m256 a, b;  // lanes 0-7, 8-15
+} vf16;
+static inline vf16 vf_zero(void) { return (vf16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf16 vf_load(const float* p) {
+  return (vf16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+static inline vf16 vf_set1(float s) { return (vf16){_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline vf16 vf_fma(vf16 x, vf16 y, vf16 c) {
+  return (vf16){_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)};
+}
+static inline float vf_sum(vf16 v) {
+  const __m256 s = _mm256_add_ps(v.a, v.b);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+static inline __m256 bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf16 vf_load_bf16(const uint16_t* p) {
+  return (vf16){bf16x8(_mm_loadu_si128((const __m128i*)p)),
+                bf16x8(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+static inline vf16 vf_load_i8(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return (vf16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+static inline void vf_load_u4(const uint8_t* p, vf16* lo, vf16* hi) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m256i qa = _mm256_cvtepu8_epi32(b), qb = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i m = _mm256_set1_epi32(0xF);
+  *lo = (vf16){_mm256_cvtepi32_ps(_mm256_and_si256(qa, m)),
+               _mm256_cvtepi32_ps(_mm256_and_si256(qb, m))};
+  *hi = (vf16){_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)),
+               _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4))};
+}
+static inline __m256 mask_add8(__m256 v, int bits, __m256 x) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lanes), lanes);
+  return _mm256_blendv_ps(v, _mm256_add_ps(v, x), _mm256_castsi256_ps(on));
+}
+static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
+  return (vf16){mask_add8(v.a, bits & 0xFF, x.a), mask_add8(v.b, bits >> 8, x.b)};
+}
+
+#else
+#define DS_SIMD16 0
+#endif
+
+#endif

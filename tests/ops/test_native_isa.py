@@ -1,0 +1,91 @@
+"""The CPU kernels built for other instruction sets than this machine's best: AVX2 + FMA (most
+laptops: ops/csrc/simd.h's two-register lanes) and plain x86-64 (the scalar loops), each against
+the torch references, and the multi-row kernels against a GEMV per row bit for bit. CI machines
+run AVX-512, so without these tests the other paths would never run."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops.native import build
+from deltaserve.quant.schemes import FORMATS, dequantize, quantize
+
+P, L = ctypes.c_void_p, ctypes.c_long
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split(":")[1].split() for ln in text.splitlines()
+                     if ln.startswith("flags")), []))
+
+
+ARCHS = {"haswell": {"avx2", "fma"}, "x86-64": set()}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def lib(request, tmp_path_factory):
+    if platform.machine() != "x86_64" or not ARCHS[request.param] <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={request.param} code")
+    built = build(request.param, tmp_path_factory.mktemp("native-" + request.param))
+    if built is None:
+        pytest.skip("no C compiler")
+    return built
+
+
+def ptr(t: torch.Tensor):
+    return P(t.data_ptr())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def packed(rows: int, cols: int, name: str) -> dict:
+    gen = torch.Generator().manual_seed(rows * cols)
+    return {k: (v.float() if v.is_floating_point() else v).contiguous()
+            for k, v in quantize(torch.randn(rows, cols, generator=gen), FORMATS[name]).items()}
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 100)])
+def test_bf16_gemv_and_gemm(lib, rows, cols) -> None:
+    """Weight rows off the blocks of 8 / 4, columns off the 32-wide steps: every path."""
+    w = torch.randn(rows, cols).bfloat16()
+    x = torch.randn(3, cols)
+    y1, y3 = torch.empty(1, rows), torch.empty(3, rows)
+    lib.ds_gemv_bf16(ptr(w), ptr(x), ptr(y1), rows, cols, 2)
+    lib.ds_gemm_bf16(ptr(w), ptr(x), ptr(y3), L(3), L(rows), L(cols), 2)
+    want = F.linear(x, w.float())
+    assert rel(y1, want[:1]) <= 1e-6 and rel(y3, want) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "q1"])
+@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 256)])
+def test_quantized_gemvs(lib, name, rows, cols) -> None:
+    p = packed(rows, cols, name)
+    group = FORMATS[name].group_size
+    x = torch.randn(3, cols)
+    want = F.linear(x, dequantize(p, FORMATS[name], torch.float32))
+    got = torch.empty(3, rows)
+    for r in range(3):
+        args = [ptr(x[r]), ptr(got[r]), L(rows), L(cols), L(group), 2]
+        if name == "int8":
+            lib.ds_gemv_q8(ptr(p["weight"]), ptr(p["scales"]), *args)
+        elif name == "int4":
+            lib.ds_gemv_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), *args)
+        else:
+            lib.ds_gemv_q1(ptr(p["weight"]), ptr(p["scales"]), *args)
+    assert rel(got, want) <= 1e-5
+    if name == "int4":  # the multi-row kernel: each row the bits of its own GEMV
+        multi = torch.empty(3, rows)
+        lib.ds_gemm_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), ptr(x), ptr(multi),
+                       L(3), L(rows), L(cols), L(group), 2)
+        assert torch.equal(multi, got)
