@@ -123,7 +123,8 @@ def max_rows(kind: int) -> int:
     from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS
 
     multi = max(QGEMM_MAX_ROWS, CPU_GEMV_MAX_ROWS)  # the multi-row kernels (ops/qgemv.qgemm_rows)
-    return {BF16: SMALL_GEMM_MAX_ROWS, Q8_VNNI: multi, A4: multi}.get(kind, CPU_GEMV_MAX_ROWS)
+    return {BF16: SMALL_GEMM_MAX_ROWS, Q8: multi, Q8_VNNI: multi, A4: multi}.get(
+        kind, CPU_GEMV_MAX_ROWS)
 
 
 def _f32(t: torch.Tensor, keep: list) -> int:

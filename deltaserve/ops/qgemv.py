@@ -117,8 +117,8 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
 
 
 def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
-    """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 where its
-    GEMV is the VNNI one, 4-bit affine (ds_gemm_a4); else None."""
+    """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 (the VNNI
+    or the exact fp32 one, as its GEMV), 4-bit affine (ds_gemm_a4); else None (q1)."""
     if lib is None or env().reference_ops:
         return None
     if (scheme.kind, scheme.bits) == ("affine", 4):
@@ -129,8 +129,10 @@ def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
         return multi
     if scheme.kind != "int8":
         return None
-    vnni, multi = getattr(lib, "ds_gemv_q8_vnni", None), getattr(lib, "ds_gemm_q8_vnni", None)
-    if multi is None or _q8_fn(lib, n, k, scheme.group_size) is not vnni:
+    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
+    exact = _q8_fn(lib, n, k, scheme.group_size) is not vnni or vnni is None
+    multi = getattr(lib, "ds_gemm_q8" if exact else "ds_gemm_q8_vnni", None)
+    if multi is None:
         return None
     if multi.argtypes is None:  # registered beside its one caller
         multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
@@ -140,8 +142,8 @@ def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
 
 def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
     """x [M,K] fp32 (CPU, a few decode or draft rows) -> [M,N] fp32: the same bits as M qgemv
-    calls, the packed codes streamed once for all rows (int8 where its GEMV is the VNNI one,
-    4-bit affine); None where no such kernel applies (then: a qgemv per row)."""
+    calls, the packed codes streamed once for all rows (int8, 4-bit affine); None where no such
+    kernel applies (then: a qgemv per row)."""
     w = p["weight"]
     multi = None if x.device.type != "cpu" else _multi_row_kernel(native_lib(), scheme,
                                                                   w.shape[0], x.shape[-1])
@@ -160,7 +162,9 @@ def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
 # (2 threads; 16 / 32 / 64 rows, ms). int8: head 59.8 vs 176.4 / 126.3 vs 220.2 / 331.9 vs 339.7,
 # gate|up 2.2 vs 4.9 / 4.3 vs 5.8 / 8.5 vs 7.8, down 1.0 vs 1.9 / 2.0 vs 2.4 / 4.0 vs 3.4.
 # 4-bit affine (2026-11-30): head 81 vs 269 / 166 vs 281 (32 rows), gate|up 2.2 vs 4.5 / 4.8 vs
-# 4.4 / 8.2 vs 5.8, down 1.1 vs 1.9 / 2.1 vs 1.8 / 4.7 vs 2.7: about even at 32.
+# 4.4 / 8.2 vs 5.8, down 1.1 vs 1.9 / 2.1 vs 1.8 / 4.7 vs 2.7: about even at 32. Exact int8 (fp32
+# x): head 70 vs 219 / 129 vs 225, in_proj 1.8 vs 4.3 / 3.9 vs 4.9 / 7.5 vs 6.1, down 0.8 vs 1.5 /
+# 1.6 vs 1.9 / 3.3 vs 2.4.
 QGEMM_MAX_ROWS = 32
 
 

@@ -196,11 +196,11 @@ def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
 
 def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeypatch) -> None:
     """Above max_rows the layered path dequantizes for torch's GEMM, which the plan does not run:
-    such a step must not reach the plan (which refuses it too). The multi-row kernels (int8 with
-    VNNI, int4) take 32 rows, the per-row GEMV formats 16."""
+    such a step must not reach the plan (which refuses it too). The multi-row kernels (int8,
+    int4) take 32 rows, q1 (a GEMV per row) 16."""
     lm = LLM(quantized_dir, dtype="float32").model
     plan = decode_step.build_plan(lm, *pools(lm))
-    multi = all(getattr(spec, name).kind in (decode_step.Q8_VNNI, decode_step.A4)
+    multi = all(getattr(spec, name).kind in (decode_step.Q8, decode_step.Q8_VNNI, decode_step.A4)
                 for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
     assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if multi else 16)
     for num_seqs in (plan.max_rows, plan.max_rows + 1):

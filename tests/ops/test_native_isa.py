@@ -84,8 +84,11 @@ def test_quantized_gemvs(lib, name, rows, cols) -> None:
         else:
             lib.ds_gemv_q1(ptr(p["weight"]), ptr(p["scales"]), *args)
     assert rel(got, want) <= 1e-5
-    if name == "int4":  # the multi-row kernel: each row the bits of its own GEMV
+    if name != "q1":  # the multi-row kernels: each row the bits of its own GEMV
         multi = torch.empty(3, rows)
-        lib.ds_gemm_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), ptr(x), ptr(multi),
-                       L(3), L(rows), L(cols), L(group), 2)
+        args = [ptr(x), ptr(multi), L(3), L(rows), L(cols), L(group), 2]
+        if name == "int8":
+            lib.ds_gemm_q8(ptr(p["weight"]), ptr(p["scales"]), *args)
+        else:
+            lib.ds_gemm_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), *args)
         assert torch.equal(multi, got)

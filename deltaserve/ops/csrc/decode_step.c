@@ -81,6 +81,8 @@ void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, l
                   int num_threads);
 void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y,
                 long M, long N, long K, long G, int num_threads);
+void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long M, long N, long K,
+                long G, int num_threads);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads);
@@ -99,14 +101,16 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 }
 
 // x [rows, k] -> y [rows, n] with the kernel the layered path takes for a decode step of `rows`
-// rows (layers/linear.linear, quant/linear.quant_linear): bf16, VNNI int8 and 4-bit affine
-// stream the weight once for all rows, the other formats run one GEMV per row. The plan caps rows where those
+// rows (layers/linear.linear, quant/linear.quant_linear): bf16, int8 and 4-bit affine stream the
+// weight once for all rows, q1 runs one GEMV per row. The plan caps rows where those
 // paths would switch to dequantize + GEMM (ops/decode_step.max_rows).
 static void matmat(const DsMat* m, const float* x, float* y, long rows, int threads) {
   if (rows == 1) {
     matvec(m, x, y, threads);
   } else if (m->kind == DS_BF16) {
     ds_gemm_bf16(m->w, x, y, rows, m->n, m->k, threads);
+  } else if (m->kind == DS_Q8) {
+    ds_gemm_q8(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads);
   } else if (m->kind == DS_A4) {
     ds_gemm_a4(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -151,6 +151,62 @@ void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long 
   for (long n = first_tail; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
 }
 
+#if DS_SIMD16
+// block_q8 for activation rows m0 and (if two) m0 + 1 of a multi-row call: each chunk of codes is
+// widened once for both rows, and every (row, weight row) accumulator takes block_q8's FMAs in
+// block_q8's order, so each row gets the bits of its own GEMV; y is [M, N].
+static void block_q8_rows(const int8_t* w, const float* s, const float* x, float* y, long n0,
+                          long m0, int two, long N, long K, long G) {
+  const float *x0 = x + m0 * K, *x1 = two ? x0 + K : x0;
+  vf16 total[2][Q8_ROWS];
+  for (int m = 0; m < 2; m++)
+    for (int r = 0; r < Q8_ROWS; r++) total[m][r] = vf_zero();
+  const int8_t* rows = w + n0 * K;
+  for (long g = 0; g < K / G; g++) {
+    vf16 v[2][Q8_ROWS];
+    for (int m = 0; m < 2; m++)
+      for (int r = 0; r < Q8_ROWS; r++) v[m][r] = vf_zero();
+    for (long k = g * G; k < (g + 1) * G; k += 16) {
+      const vf16 xa = vf_load(x0 + k), xb = vf_load(x1 + k);
+      for (int r = 0; r < Q8_ROWS; r++) {
+        const int8_t* p = rows + r * K + k;
+        _mm_prefetch((const char*)(p + Q8_ROWS * K), _MM_HINT_T0);
+        const vf16 codes = vf_load_i8(p);
+        v[0][r] = vf_fma(codes, xa, v[0][r]);
+        v[1][r] = vf_fma(codes, xb, v[1][r]);
+      }
+    }
+    for (int m = 0; m < 2; m++)
+      for (int r = 0; r < Q8_ROWS; r++)
+        total[m][r] = vf_fma(v[m][r], vf_set1(s[(n0 + r) * (K / G) + g]), total[m][r]);
+  }
+  for (int m = 0; m < 1 + two; m++)
+    for (int r = 0; r < Q8_ROWS; r++) y[(m0 + m) * N + n0 + r] = vf_sum(total[m][r]);
+}
+#endif
+
+// M activation rows (decode batches, draft rows) over int8 codes on fp32 x (the exact kernel: no
+// VNNI, or DELTASERVE_EXACT_INT8_ACT=1): codes stream once and are widened once per two rows;
+// the bits of M ds_gemv_q8 calls.
+void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long M, long N, long K,
+                long G, int num_threads) {
+  long first_tail = 0;
+#if DS_SIMD16
+  if (G % 16 == 0) {
+    const long num_blocks = N / Q8_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long b = 0; b < num_blocks; b++)
+      for (long m0 = 0; m0 < M; m0 += 2)
+        block_q8_rows(w, s, x, y, b * Q8_ROWS, m0, m0 + 1 < M, N, K, G);
+    first_tail = num_blocks * Q8_ROWS;
+  }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+  for (long m = 0; m < M; m++)
+    for (long n = first_tail; n < N; n++)
+      y[m * N + n] = row_q8(w + n * K, s + n * (K / G), x + m * K, K, G);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // int8 x int8 (llama.cpp Q8_0 x Q8_0): x is quantized per group of G (symmetric, d = absmax/127,
 // round to nearest even), then each 64-byte chunk is one VPDPBUSD. DPBUSD wants u8 x s8: the
