@@ -18,7 +18,7 @@ import torch
 
 from deltaserve.config import FULL
 from deltaserve.env import env
-from deltaserve.ops.native import native_lib
+from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.ops.qgemv import QGEMM_MAX_ROWS, _q8_fn
 
 BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
@@ -122,7 +122,8 @@ def max_rows(kind: int) -> int:
     from deltaserve.layers.linear import SMALL_GEMM_MAX_ROWS
     from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS
 
-    multi = max(QGEMM_MAX_ROWS, CPU_GEMV_MAX_ROWS)  # the multi-row kernels (ops/qgemv.qgemm_rows)
+    # the multi-row kernels (ops/qgemv.qgemm_max_rows: only where they are vectorised)
+    multi = max(QGEMM_MAX_ROWS if simd_lanes() else 0, CPU_GEMV_MAX_ROWS)
     return {BF16: SMALL_GEMM_MAX_ROWS, Q8: multi, Q8_VNNI: multi, A4: multi}.get(
         kind, CPU_GEMV_MAX_ROWS)
 

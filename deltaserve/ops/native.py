@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from deltaserve.env import env
@@ -23,6 +25,7 @@ _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
+_lock = threading.Lock()
 
 
 def _compiler() -> str | None:
@@ -30,6 +33,17 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (Linux), else the machine name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
 
 
 def build(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL | None:
@@ -41,11 +55,14 @@ def build(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL |
         return None
     flags = [*_FLAGS, f"-march={march}"]
     source = b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    # -march=native means this CPU: a cache folder shared with another machine (NFS, an image)
+    # must not hand an AVX-512 build to an AVX2 one
+    host = _cpu_signature() if march == "native" else ""
+    key = hashlib.sha256(source + " ".join([cc, *flags, host]).encode()).hexdigest()[:16]
     out = (cache_dir or env().cache_dir) / "native" / key / "libdeltaserve_cpu.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         proc = subprocess.run(
             [cc, *flags, *map(str, _SOURCES), "-o", str(tmp), "-lm"],
             capture_output=True,
@@ -91,13 +108,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def native_lib() -> ctypes.CDLL | None:
     """The loaded kernels, or None when disabled (DELTASERVE_NATIVE=0) or unbuildable here."""
     global _lib, _tried
-    if not _tried:
-        _tried = True
-        try:
-            _lib = build() if env().native else None
-        except OSError as exc:
-            print(
-                f"deltaserve: CPU kernels unavailable ({exc}); using torch's path", file=sys.stderr
-            )
-            _lib = None
+    if _tried:
+        return _lib
+    with _lock:  # another thread asking meanwhile waits for the build, not None
+        if not _tried:
+            try:
+                _lib = build() if env().native else None
+            except OSError as exc:
+                print(f"deltaserve: CPU kernels unavailable ({exc}); using torch's path",
+                      file=sys.stderr)
+                _lib = None
+            _tried = True
     return _lib
+
+
+def simd_lanes() -> int:
+    """16 where the kernels' vector paths are built (AVX-512, or AVX2 + FMA), else 0 (their scalar
+    loops run; no kernels: 0)."""
+    lib = native_lib()
+    fn = getattr(lib, "ds_simd_lanes", None) if lib is not None else None
+    return int(fn()) if fn is not None else 0

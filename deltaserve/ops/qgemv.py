@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.env import env
-from deltaserve.ops.native import native_lib
+from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.quant.schemes import Scheme, dequantize
 
 
@@ -169,5 +169,8 @@ QGEMM_MAX_ROWS = 32
 
 
 def qgemm_max_rows(scheme: Scheme, n: int, k: int) -> int:
-    """How many CPU rows qgemm_rows takes for an [n, k] weight here (0: none, a GEMV per row)."""
-    return QGEMM_MAX_ROWS if _multi_row_kernel(native_lib(), scheme, n, k) is not None else 0
+    """How many CPU rows qgemm_rows takes for an [n, k] weight here (0: none, a GEMV per row).
+    Without the kernels' vector paths a multi-row call costs what a GEMV per row costs: rows past
+    quant/linear.CPU_GEMV_MAX_ROWS then take dequantize + torch's GEMM."""
+    multi = _multi_row_kernel(native_lib(), scheme, n, k) is not None
+    return QGEMM_MAX_ROWS if multi and simd_lanes() else 0

@@ -55,6 +55,12 @@ def packed(rows: int, cols: int, name: str) -> dict:
             for k, v in quantize(torch.randn(rows, cols, generator=gen), FORMATS[name]).items()}
 
 
+def test_the_build_reports_its_vector_lanes(lib, request) -> None:
+    """16 with AVX2 + FMA; 0 for plain x86-64, where the multi-row kernels are not preferred."""
+    arch = request.node.callspec.params["lib"]
+    assert lib.ds_simd_lanes() == (16 if arch == "haswell" else 0)
+
+
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 100)])
 def test_bf16_gemv_and_gemm(lib, rows, cols) -> None:
     """Weight rows off the blocks of 8 / 4, columns off the 32-wide steps: every path."""

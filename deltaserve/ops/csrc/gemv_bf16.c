@@ -17,7 +17,11 @@
 // a * b + c stays two roundings wherever it is written here, so a scalar expression repeated in a
 // GEMV and its multi-row form gives the same bits in both (the compiler may fuse one and not the
 // other, as the AVX2 build did); the vector FMAs are explicit intrinsics.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #define ROWS 8
 

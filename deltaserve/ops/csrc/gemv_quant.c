@@ -12,7 +12,15 @@
 // a * b + c stays two roundings wherever it is written here, so a scalar expression repeated in a
 // GEMV and its multi-row form gives the same bits in both (the compiler may fuse one and not the
 // other, as the AVX2 build did); the vector FMAs are explicit intrinsics.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
+
+// 16 when the vector paths are built (AVX-512 or AVX2 + FMA), 0 where only the scalar loops run:
+// the multi-row kernels then save nothing over a GEMV per row (ops/qgemv.qgemm_max_rows).
+int ds_simd_lanes(void) { return DS_SIMD16 ? 16 : 0; }
 
 static void group_sums(const float* x, float* xs, long K, long G) {
   for (long g = 0; g < K / G; g++) {
@@ -396,7 +404,11 @@ static void block_a4_rows(const uint8_t* w, const float* s, const float* b, cons
                           const float* xo, const float* xs, float* y, long n0, long m0, int two,
                           long N, long K, long G) {
   const long bytes = K / 2, num_groups = K / G;
-  const float *e0 = xe + m0 * bytes, *o0 = xo + m0 * bytes, *e1 = e0 + bytes, *o1 = o0 + bytes;
+  // a lone last row (two == 0) stands in for the missing second one: nothing past row M - 1 is
+  // read, and its duplicate results are never stored
+  const float *e0 = xe + m0 * bytes, *o0 = xo + m0 * bytes, *e1 = two ? e0 + bytes : e0;
+  const float *o1 = two ? o0 + bytes : o0, *xs0 = xs + m0 * num_groups;
+  const float* xs_row[2] = {xs0, two ? xs0 + num_groups : xs0};
   vf16 total[2][Q8_ROWS];
   float bias[2][Q8_ROWS];
   for (int m = 0; m < 2; m++)
@@ -408,7 +420,7 @@ static void block_a4_rows(const uint8_t* w, const float* s, const float* b, cons
       for (int r = 0; r < Q8_ROWS; r++) v[m][r] = vf_zero();
     for (long i = g * G / 2; i < (g + 1) * G / 2; i += 16) {
       const vf16 ea = vf_load(e0 + i), oa = vf_load(o0 + i);
-      const vf16 eb = two ? vf_load(e1 + i) : ea, ob = two ? vf_load(o1 + i) : oa;
+      const vf16 eb = vf_load(e1 + i), ob = vf_load(o1 + i);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + i;
         _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
@@ -422,7 +434,7 @@ static void block_a4_rows(const uint8_t* w, const float* s, const float* b, cons
       for (int r = 0; r < Q8_ROWS; r++) {
         const long idx = (n0 + r) * num_groups + g;
         total[m][r] = vf_fma(v[m][r], vf_set1(s[idx]), total[m][r]);
-        bias[m][r] += b[idx] * xs[(m0 + m) * num_groups + g];
+        bias[m][r] += b[idx] * xs_row[m][g];
       }
     }
   }
