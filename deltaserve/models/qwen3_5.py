@@ -139,9 +139,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         plan = self._native_plan(batch) if inject is None else None
         if plan is not None:  # a CPU decode/verify step: every layer in one native call
-            steps, keep = decode_step.gdn_steps(batch, self.model.layers)
+            steps, _buffers = decode_step.gdn_steps(batch, self.model.layers)  # alive for run
             h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
-            del keep
             if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
                 self.last_hidden = h
             return self._head(h, greedy)

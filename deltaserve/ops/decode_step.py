@@ -18,8 +18,8 @@ import torch
 
 from deltaserve.config import FULL
 from deltaserve.env import env
-from deltaserve.ops.native import native_lib, simd_lanes
-from deltaserve.ops.qgemv import QGEMM_MAX_ROWS, _q8_fn
+from deltaserve.ops.native import native_lib
+from deltaserve.ops.qgemv import _q8_fn
 
 BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
 
@@ -115,17 +115,22 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
     return DsMat(kind, linear.weight.data_ptr(), linear.scales.data_ptr(), bias, n, k, g)
 
 
-def max_rows(kind: int) -> int:
-    """Up to how many decode rows the layered path keeps this kind on the kernels matmat runs
-    (layers/linear.SMALL_GEMM_MAX_ROWS, quant/linear.CPU_GEMV_MAX_ROWS and QGEMM_MAX_ROWS);
-    above it that path dequantizes or widens for torch's GEMM, which the plan does not run."""
+def _rows_limit(linear) -> int:
+    """Up to how many decode rows the layered path keeps this Linear on the kernels matmat runs;
+    above it that path widens or dequantizes for torch's GEMM, which the plan does not run."""
     from deltaserve.layers.linear import SMALL_GEMM_MAX_ROWS
-    from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS
+    from deltaserve.quant.linear import decode_max_rows
 
-    # the multi-row kernels (ops/qgemv.qgemm_max_rows: only where they are vectorised)
-    multi = max(QGEMM_MAX_ROWS if simd_lanes() else 0, CPU_GEMV_MAX_ROWS)
-    return {BF16: SMALL_GEMM_MAX_ROWS, Q8: multi, Q8_VNNI: multi, A4: multi}.get(
-        kind, CPU_GEMV_MAX_ROWS)
+    if linear.scheme is None:
+        return SMALL_GEMM_MAX_ROWS
+    return decode_max_rows(linear.scheme, linear.weight.shape[0], linear.in_cols)
+
+
+def _linears(layer, full: bool) -> tuple:
+    """A decoder layer's four matrices, in DsLayer's order."""
+    mixer = layer.self_attn if full else layer.linear_attn
+    return (mixer.qkv_proj if full else mixer.in_proj, mixer.o_proj if full else mixer.out_proj,
+            layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _f32(t: torch.Tensor, keep: list) -> int:
@@ -199,7 +204,8 @@ def build_plan(lm, states, kv) -> DecodePlan | None:
         if spec is None:
             return None
         layers[i] = spec
-    rows = min(max_rows(getattr(spec, name).kind) for spec in layers for name in _LAYER_MATS)
+    rows = min(_rows_limit(linear) for i, layer in enumerate(lm.model.layers)
+               for linear in _linears(layer, cfg.layer_types[i] == FULL))
     n = lambda c: getattr(cfg, c)  # noqa: E731
     model = DsModel(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
                     cfg.rms_norm_eps, n("linear_num_key_heads"), n("linear_num_value_heads"),
@@ -213,9 +219,7 @@ def build_plan(lm, states, kv) -> DecodePlan | None:
 def _layer(layer, i: int, cfg, states, kv, lib, keep: list) -> DsLayer | None:
     full = cfg.layer_types[i] == FULL
     mixer = layer.self_attn if full else layer.linear_attn
-    mats = [_matrix(m, lib, keep) for m in (
-        mixer.qkv_proj if full else mixer.in_proj, mixer.o_proj if full else mixer.out_proj,
-        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    mats = [_matrix(m, lib, keep) for m in _linears(layer, full)]
     if any(m is None for m in mats):
         return None
     spec = DsLayer(int(full), _f32(layer.input_layernorm.weight, keep),

@@ -38,9 +38,10 @@ def _compiler() -> str | None:
 def _cpu_signature() -> str:
     """The CPU's feature flags (Linux), else the machine name."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        with open("/proc/cpuinfo") as lines:  # the first CPU's entry: the rest is generated lazily
+            for line in lines:
+                if line.startswith(("flags", "Features")):
+                    return line
     except OSError:
         pass
     return platform.machine() + platform.processor()

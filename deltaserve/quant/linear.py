@@ -32,6 +32,13 @@ CPU_GEMV_MAX_ROWS = 16
 # above, so their numerics never depend on this.
 
 
+def decode_max_rows(scheme: Scheme, n: int, k: int) -> int:
+    """CPU rows of a step without prefill chunks that stay on the packed-code kernels (a GEMV per
+    row, or the multi-row kernel that gives each row the same bits); more are dequantized for
+    torch's GEMM. The native decode step (ops/decode_step.py) keeps to the same limit."""
+    return max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(scheme, n, k))
+
+
 def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
     """Swap `module.weight` [N, K] for packed parameters of `scheme` (shapes only; on meta)."""
     rows, cols = module.weight.shape
@@ -102,8 +109,8 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return out.reshape(*x.shape[:-1], out.shape[-1])
     max_rows = WIDEN_MIN_ROWS - 1
     if x.device.type == "cpu":  # decode-only steps: up to 32 int8 / int4 rows, multi-row kernels
-        max_rows = max(CPU_GEMV_MAX_ROWS, qgemm_max_rows(
-            module.scheme, module.weight.shape[0], module.in_cols) if _all_rows_native[0] else 0)
+        max_rows = decode_max_rows(module.scheme, module.weight.shape[0], module.in_cols) \
+            if _all_rows_native[0] else CPU_GEMV_MAX_ROWS
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))

@@ -28,6 +28,8 @@ Two ways back to the state after the accepted prefix (SpeculativeConfig.rollback
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deltaserve.cache.batch import StepBatch
@@ -68,12 +70,12 @@ class VerifyRecord:
             if conv_pool is not None:
                 shapes = (conv_pool.shape[1:], states.recurrent[layer].shape[1:])
                 if self.strategy == "recompute":
-                    bufs[0], views = _states_buffer(sizes[:1], shapes)
+                    bufs[0], views = _carve(sizes[:1], shapes)
                     self.before[layer] = views[0]
-                    bufs[1], self.inputs[layer] = _rows_buffer(sizes, *shapes)
+                    bufs[1], self.inputs[layer] = _carve(sizes, _row_shapes(*shapes))
                     self.layers[layer] = model_layers[layer].linear_attn
                 else:
-                    bufs[2], self.kept[layer] = _states_buffer(sizes[:-1], shapes)
+                    bufs[2], self.kept[layer] = _carve(sizes[:-1], shapes)
             for out, buf in zip((before, inputs, kept), bufs, strict=True):
                 out.append(buf)
         return before, inputs, kept
@@ -119,34 +121,26 @@ class VerifyRecord:
             _step(self.layers[layer], rows, conv_pool, state_pool, slots)
 
 
-def _states_buffer(sizes: list[int], shapes) -> tuple[torch.Tensor, list]:
-    """One flat fp32 buffer holding, step after step, n conv windows then n states per step of n
-    slots; and the (conv [n,C,W-1], state [n,HV,K,V]) views of each step."""
-    conv_numel, state_numel = (shape.numel() for shape in shapes)
-    flat = torch.empty(sum(sizes) * (conv_numel + state_numel), dtype=torch.float32)
+def _carve(sizes: list[int], shapes) -> tuple[torch.Tensor, list[tuple]]:
+    """One flat fp32 buffer holding, step after step, n rows of each shape in turn for a step of
+    n slots (the layout ops/csrc/decode_step.c writes); and each step's views [n, *shape]."""
+    numels = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(sum(sizes) * sum(numels), dtype=torch.float32)
     views, at = [], 0
     for n in sizes:
-        conv = flat[at : at + n * conv_numel].view(n, *shapes[0])
-        at += n * conv_numel
-        views.append((conv, flat[at : at + n * state_numel].view(n, *shapes[1])))
-        at += n * state_numel
+        step = []
+        for shape, numel in zip(shapes, numels, strict=True):
+            step.append(flat[at : at + n * numel].view(n, *shape))
+            at += n * numel
+        views.append(tuple(step))
     return flat, views
 
 
-def _rows_buffer(sizes: list[int], conv_shape, state_shape) -> tuple[torch.Tensor, list[Rows]]:
-    """One flat fp32 buffer holding, step after step, the n in-projection rows of each step as
-    qkv [n,C], z [n,HV*V], b [n,HV], a [n,HV] blocks; and those views."""
+def _row_shapes(conv_shape, state_shape) -> tuple:
+    """The in-projection row blocks of a GDN step, from its pools' slot shapes: qkv [C],
+    z [HV*V], b [HV], a [HV]."""
     num_heads = state_shape[0]
-    widths = (conv_shape[0], num_heads * state_shape[2], num_heads, num_heads)
-    flat = torch.empty(sum(sizes) * sum(widths), dtype=torch.float32)
-    views, at = [], 0
-    for n in sizes:
-        rows = []
-        for width in widths:
-            rows.append(flat[at : at + n * width].view(n, width))
-            at += n * width
-        views.append(tuple(rows))
-    return flat, views
+    return ((conv_shape[0],), (num_heads * state_shape[2],), (num_heads,), (num_heads,))
 
 
 def verify_steps(gdn, rows: Rows, batch: StepBatch, layer: int, out: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from deltaserve.env import env
 from deltaserve.ops import decode_step
 from deltaserve.ops.native import native_lib
 from deltaserve.ops.norm import native_rows
+from deltaserve.ops.qgemv import QGEMM_MAX_ROWS
 from deltaserve.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler for the CPU kernels")
@@ -202,7 +203,7 @@ def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeyp
     plan = decode_step.build_plan(lm, *pools(lm))
     multi = all(getattr(spec, name).kind in (decode_step.Q8, decode_step.Q8_VNNI, decode_step.A4)
                 for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
-    assert plan.max_rows == (decode_step.QGEMM_MAX_ROWS if multi else 16)
+    assert plan.max_rows == (QGEMM_MAX_ROWS if multi else 16)
     for num_seqs in (plan.max_rows, plan.max_rows + 1):
         states, kv = pools(lm, num_seqs)
         step(lm, states, kv, [([3], 0)] * num_seqs, True, monkeypatch,

@@ -103,7 +103,7 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 // x [rows, k] -> y [rows, n] with the kernel the layered path takes for a decode step of `rows`
 // rows (layers/linear.linear, quant/linear.quant_linear): bf16, int8 and 4-bit affine stream the
 // weight once for all rows, q1 runs one GEMV per row. The plan caps rows where those
-// paths would switch to dequantize + GEMM (ops/decode_step.max_rows).
+// paths would switch to dequantize + GEMM (ops/decode_step._rows_limit).
 static void matmat(const DsMat* m, const float* x, float* y, long rows, int threads) {
   if (rows == 1) {
     matvec(m, x, y, threads);
