@@ -51,6 +51,14 @@ class StepBatch:
     snapshots: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(
         default_factory=dict
     )
+    tables: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> its block table
+
+    def chunk_table(self, i: int, device) -> torch.Tensor:
+        """Chunk i's block table on the device, copied once per step (not once per layer)."""
+        table = self.tables.get(i)
+        if table is None:
+            table = self.tables[i] = torch.tensor(self.chunks[i].block_table, device=device)
+        return table
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], states: StatePool, kv: KVPool, device) -> StepBatch:

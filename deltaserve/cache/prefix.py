@@ -10,6 +10,8 @@ names a whole prefix, never a suffix that happens to match. LRU eviction under a
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,13 +32,25 @@ class Snapshot:
 
 
 def chain_keys(seed: bytes, token_ids: list[int], granularity: int, max_len: int) -> list[bytes]:
-    """keys[i] names the prefix token_ids[: (i+1) * granularity], for every full step <= max_len."""
+    """keys[i] names the prefix token_ids[: (i+1) * granularity], for every full step <= max_len.
+    A block's bytes are its ids as little-endian int64 (one conversion of the whole prefix: a
+    tensor per block cost ~40 us each, 2.5 ms per 4k-token request on the CI CPU)."""
+    num_steps = min(max_len, len(token_ids)) // granularity
+    data = memoryview(_int64_bytes(token_ids[: num_steps * granularity]))
+    step_bytes = 8 * granularity
     keys, key = [], seed
-    for end in range(granularity, min(max_len, len(token_ids)) + 1, granularity):
-        block = torch.tensor(token_ids[end - granularity : end], dtype=torch.int64).numpy().tobytes()
-        key = hashlib.blake2b(key + block, digest_size=16).digest()
+    for i in range(num_steps):
+        key = hashlib.blake2b(key + data[i * step_bytes : (i + 1) * step_bytes],
+                              digest_size=16).digest()
         keys.append(key)
     return keys
+
+
+def _int64_bytes(ids: list[int]) -> bytes:
+    out = array("q", ids)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
 
 
 class PrefixCache:
@@ -50,9 +64,19 @@ class PrefixCache:
         self.entries: OrderedDict[bytes, Snapshot] = OrderedDict()  # oldest use first
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self._memo: tuple[list[int], list[bytes]] | None = None
 
     def keys(self, token_ids: list[int], max_len: int) -> list[bytes]:
-        return chain_keys(self.seed, token_ids, self.granularity, max_len)
+        """Chain keys; admission asks for one request's keys up to three times (lookup, wanted,
+        insert), so the last prompt's keys are kept and reused for any prefix of it."""
+        steps = min(max_len, len(token_ids)) // self.granularity
+        memo = self._memo
+        if memo is not None and len(memo[0]) >= steps * self.granularity \
+                and memo[0][: steps * self.granularity] == token_ids[: steps * self.granularity]:
+            return memo[1][:steps]  # a list compare: ~15 us for 4k ids, against ~1 ms to hash
+        keys = chain_keys(self.seed, token_ids, self.granularity, len(token_ids))
+        self._memo = (list(token_ids), keys)
+        return keys[:steps]
 
     def lookup(self, token_ids: list[int], max_len: int) -> Snapshot | None:
         """The longest cached prefix of token_ids no longer than max_len (marked recently used)."""

@@ -83,7 +83,7 @@ class GatedAttention(nn.Module):
             out[0, :, rows] = o[:, :, 0].transpose(0, 1)
         for i in batch.prefill:
             chunk, span = batch.chunks[i], batch.span(i)
-            table = torch.tensor(chunk.block_table, device=x.device)
+            table = batch.chunk_table(i, x.device)
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather(layer, table, chunk.end_pos))
             out[:, :, span] = causal_attention(q[:, :, span], k_all, v_all, scale)
         out = out.transpose(1, 2).reshape(1, num_tokens, -1) * torch.sigmoid(
@@ -114,7 +114,7 @@ class GatedAttention(nn.Module):
                                            batch.decode_lengths, scale, out, rows)
         for i in batch.prefill:
             chunk, span = batch.chunks[i], batch.span(i)
-            table = torch.tensor(chunk.block_table, device=x.device)
+            table = batch.chunk_table(i, x.device)
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather(layer, table, chunk.end_pos))
             o = causal_attention(q[span].transpose(0, 1)[None], k_all, v_all, scale)[0]
             gate = proj[span, : 2 * self.num_heads * dim].reshape(-1, self.num_heads, 2 * dim)

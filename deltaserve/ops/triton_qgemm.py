@@ -1,13 +1,24 @@
-"""Decode-batch GEMM on packed int8 weights for CUDA GPUs (Triton): y = x W^T with W dequantized
-tile by tile in registers (codes x group scale, rounded to the activation dtype, as the reference
-dequantizes the whole weight) and fed to tensor-core dots; each weight byte is read once per step
-for all rows, where dequantize-then-GEMM would write and re-read a 16-bit copy of every weight.
+"""Decode-batch GEMM on packed int8 weights for CUDA GPUs (Triton): y = x W^T with W read as int8
+codes. Each K step is one quantization group: the codes convert exactly to the activation dtype
+(|q| <= 127 fits a bf16 mantissa), one tensor-core dot of x and the codes gives the group's partial
+sums in fp32, and the group scale multiplies those [BLOCK_M, BLOCK_N] sums, not every weight. Each
+weight byte is read once per step for all rows, where dequantize-then-GEMM would write and re-read
+a 16-bit copy of every weight.
 
-Contract: F.linear(x, dequantize(p, scheme, x.dtype)) (tests/ops/test_triton_qgemm.py). Shapes:
-x [M, K] (M <= MAX_ROWS: a decode batch), codes [N, K] int8, scales [N, K/G] fp32.
+Outputs narrower than the GPU (N = 1024 of the 0.8B out_proj / down_proj) split K over SPLIT
+programs per tile; each writes fp32 partial sums and a second launch adds them up in order
+(deterministic, no atomics).
+
+Contract: F.linear(x, dequantize(p, scheme, fp32)) within fp32 rounding (the scale is applied to a
+group's sum instead of being rounded into each weight first), tests/ops/test_triton_qgemm.py.
+Shapes: x [M, K] (M <= MAX_ROWS: a decode batch or a short prefill chunk), codes [N, K] int8,
+scales [N, K/G]. The launch shape comes from launch_config (scripts/gpu/qgemm_tune.py times
+alternatives against cuBLAS on the dequantized weights).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -15,50 +26,101 @@ from deltaserve.ops.backend import tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 MAX_ROWS = 256
+MIN_GROUP, MAX_GROUP = 16, 128  # one group per dot: tl.dot needs K >= 16; wider groups spill
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    split: int  # programs per output tile along K (1: no reduction launch)
+    num_warps: int
+    num_stages: int
+
 
 if triton is not None:
 
     @triton.jit
-    def _qgemm_kernel(X, W, S, Y, M, N, K, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        pm, pn = tl.program_id(0), tl.program_id(1)
+    def _qgemm_kernel(X, W, S, Y, P, M, N, K, groups_per_split, G: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                      SPLIT: tl.constexpr):
+        pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
         num_groups = K // G
+        rk = tl.arange(0, G)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            x = tl.load(X + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+        for i in range(0, groups_per_split):
+            # the last split may run past the groups: masked loads add zeros there
+            g = ps * groups_per_split + i
+            g_ok = g < num_groups
+            x = tl.load(X + rm[:, None] * K + (g * G + rk)[None, :], mask=m_ok[:, None] & g_ok,
                         other=0.0)
-            q = tl.load(W + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+            q = tl.load(W + rn[:, None] * K + (g * G + rk)[None, :], mask=n_ok[:, None] & g_ok,
                         other=0)
-            # one scale per (row, group), broadcast over the group's G codes
-            gidx = k0 // G + tl.arange(0, BLOCK_K // G)
-            scale = tl.load(S + rn[:, None] * num_groups + gidx[None, :],
-                            mask=n_ok[:, None] & (gidx < num_groups)[None, :], other=0.0)
-            w = tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // G, G)) * scale[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(X.dtype.element_ty)  # [BN, BK]
+            scale = tl.load(S + rn * num_groups + g, mask=n_ok & g_ok, other=0.0).to(tl.float32)
             if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+                part = tl.dot(x, tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:  # codes are exact in bf16 / fp16; products are exact in the fp32 accumulator
+                part = tl.dot(x, tl.trans(q.to(X.dtype.element_ty)))
+            acc += part * scale[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT == 1:
+            tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(P + ps * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _split_sum_kernel(P, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < MN
+        total = tl.zeros([BLOCK], tl.float32)
+        for s in range(SPLIT):  # in order: the same sum on every run
+            total += tl.load(P + s * MN + offs, mask=ok, other=0.0)
+        tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=ok)
 
 
-def qgemm_cuda(x: torch.Tensor, p: dict, scheme) -> torch.Tensor:
+def supports(scheme) -> bool:
+    """Group sizes this kernel takes (one group per tensor-core step)."""
+    g = scheme.group_size
+    return MIN_GROUP <= g <= MAX_GROUP and g & (g - 1) == 0
+
+
+def launch_config(rows: int, n: int, k: int, group: int, num_sms: int = 132) -> Config:
+    """Tile rows to the batch, 64 outputs per tile; split K when the tiles fill under half the
+    GPU (the N = 1024 projections), keeping >= 2 groups per program."""
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    block_n = 64
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    num_groups = k // group
+    split = 1
+    while tiles * split * 2 <= num_sms and num_groups // (split * 2) >= 2:
+        split *= 2
+    return Config(block_m, block_n, split, num_warps=4, num_stages=3)
+
+
+def qgemm_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times packed int8 weights -> [M, N] in x.dtype."""
     rows, k = x.shape
     w = p["weight"]
-    n = w.shape[0]
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if block_m <= 64 else 64
+    n, g = w.shape[0], scheme.group_size
+    fp32 = x.dtype == torch.float32
+    if config is None:
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count \
+            if x.device.type == "cuda" else 132
+        config = launch_config(rows, n, k, g, num_sms)
+        if fp32:  # 4-byte tiles: fewer stages fit in shared memory
+            config = config._replace(num_stages=2)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
-    fp32 = x.dtype == torch.float32  # 4-byte tiles: fewer stages fit in shared memory
-    _qgemm_kernel[grid](x.contiguous(), w, p["scales"], y, rows, n, k, G=scheme.group_size,
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if fp32 else 128, IEEE=fp32,
-                        num_warps=4, num_stages=2 if fp32 else 3)
+    split = config.split
+    part = torch.empty(split, rows, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    groups_per_split = triton.cdiv(k // g, split)
+    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(n, config.block_n), split)
+    _qgemm_kernel[grid](x.contiguous(), w, p["scales"], y, part, rows, n, k, groups_per_split,
+                        G=g, BLOCK_M=config.block_m, BLOCK_N=config.block_n, IEEE=fp32,
+                        SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(rows * n, block),)](part, y, rows * n, SPLIT=split,
+                                                           BLOCK=block, num_warps=4)
     return y

@@ -97,7 +97,7 @@ def _batch_gemm(x: torch.Tensor, scheme) -> bool:
     from deltaserve.env import env
 
     return (x.device.type == "cuda" and scheme.kind == "int8" and not env().reference_ops
-            and triton_qgemm.available())
+            and triton_qgemm.available() and triton_qgemm.supports(scheme))
 
 
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:

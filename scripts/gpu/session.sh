@@ -9,6 +9,8 @@
 #   bash scripts/gpu/session.sh spec    # speculative decoding: tests/spec, then spec_bench.py
 #   bash scripts/gpu/session.sh ttft    # short-prefill host cost: scan_tune, ttft_profile, the 4k
 #                                       # prefix-cache TTFT, the image question's TTFT via serve
+#   bash scripts/gpu/session.sh qgemm   # int8 batch GEMM tests + sweep, then the batched engine
+#   bash scripts/gpu/session.sh profile # ttft_profile per source line, prefix TTFT, image TTFT
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -71,6 +73,25 @@ ttft)
     python3 scripts/gpu/scan_tune.py --lens 40,128,256,4096 \
         --out "$OUT/scan-tune.json" 2>&1 | quiet 30
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v "^    {" | quiet 6
+    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
+shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
+print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet 12
+    ;;
+qgemm)  # issue 6: the int8 decode-batch GEMM (tests, sweep vs cuBLAS), then the batched engine
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemm.py tests/quant \
+        tests/engine/test_cuda_graphs.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -4
+    python3 scripts/gpu/qgemm_tune.py --out "$OUT/qgemm-tune.json" 2>&1 \
+        | grep -v -i warn | cut -c1-400 | tail -22
+    python3 scripts/gpu/batch_bench.py --int8 --peer-batches none --out "$OUT/batch-bench.json" \
+        2>&1 | quiet 6
+    ;;
+profile)  # issues 5 and 8: where a short prefill's host time goes, per source line
+    python3 scripts/gpu/ttft_profile.py --stacks --cprofile --out "$OUT/ttft-profile.json" \
+        > "$OUT/ttft-profile.log" 2>&1
+    grep -v "^ *{" "$OUT/ttft-profile.log" | grep -v -i warn | head -150 | cut -c1-220
     python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
 shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
 print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2

@@ -26,10 +26,12 @@ from deltaserve.checkpoint.presets import preset  # noqa: E402
 from deltaserve.checkpoint.writer import write_checkpoint  # noqa: E402
 
 
-def _profiled(llm: LLM, ids: list[int], one: SamplingParams) -> dict:
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def _profiled(llm: LLM, ids: list[int], one: SamplingParams, stacks: bool = False) -> dict:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=stacks) as prof:
         llm.generate([ids], one)
     events = prof.key_averages()
+    by_line = _launch_sites(prof) if stacks else None
     cuda_us = sum(e.self_device_time_total for e in events)
     launches = sum(e.count for e in events if "LaunchKernel" in e.key or "cuLaunch" in e.key)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
@@ -39,7 +41,31 @@ def _profiled(llm: LLM, ids: list[int], one: SamplingParams) -> dict:
         "launches": launches,
         "top_self_cpu": [{"op": e.key[:80], "count": e.count,
                           "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in top],
+        **({"launch_sites": by_line} if by_line else {}),
     }
+
+
+def _launch_sites(prof) -> list[dict]:
+    """Kernel launches and memcpys per deltaserve source line (the innermost frame of ours)."""
+    counts: dict[str, list] = {}
+    for e in prof.events():
+        if not ("Launch" in e.name or "Memcpy" in e.name or "Memset" in e.name):
+            continue
+        frames, node = [], e
+        while node is not None and len(frames) < 2:  # the innermost two deltaserve frames above
+            ours = [f for f in (node.stack or []) if "deltaserve/" in f]
+            frames += [f.split("deltaserve/")[-1] for f in ours]
+            if "deltaserve/" in node.name:
+                frames.append(node.name.split("deltaserve/")[-1])
+            node = node.cpu_parent
+        site = " < ".join(frames[:2]) or "(no deltaserve frame)"
+        row = counts.setdefault(site, [0, 0.0, set()])
+        row[0] += 1
+        row[1] += e.cpu_time_total / 1e3
+        row[2].add(e.name)
+    rows = sorted(counts.items(), key=lambda kv: kv[1][0], reverse=True)
+    return [{"site": k, "count": v[0], "cpu_ms": round(v[1], 3), "kinds": sorted(v[2])}
+            for k, v in rows[:60]]
 
 
 def _wall(llm: LLM, make_ids, one: SamplingParams, repeats: int = 5) -> float:
@@ -58,6 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default="ttft_profile.json")
     ap.add_argument("--cprofile", action="store_true",
                     help="also print the Python functions that cost the most host time")
+    ap.add_argument("--stacks", action="store_true",
+                    help="count kernel launches and copies per deltaserve source line")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp()) / "q08"
     write_checkpoint(preset("qwen3.5-0.8b"), work, seed=0)
@@ -77,12 +105,14 @@ def main() -> None:
     record = {"fla": os.environ.get("DELTASERVE_FLA", "1"), "cases": {}}
     for name, make in cases.items():
         wall = _wall(llm, make, one)
-        prof = _profiled(llm, make(), one)
+        prof = _profiled(llm, make(), one, stacks=args.stacks and name != "fresh_4096")
         record["cases"][name] = {"wall_ms": round(wall, 2), **prof}
         print(name, f"wall {wall:.1f} ms, gpu busy {prof['gpu_busy_ms']:.1f} ms, "
               f"{prof['cpu_ops']} aten ops, {prof['launches']} launches", flush=True)
         for row in prof["top_self_cpu"][:8]:
             print("   ", row, flush=True)
+        for row in prof.get("launch_sites", [])[:40]:
+            print("    site", row["count"], row["site"], row["kinds"], flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     if args.cprofile:
         for name in ("fresh_40", "hit_4k_plus_40", "fresh_4096"):
