@@ -63,10 +63,9 @@ class StatePool:
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:
-        """Zero one slot; its neighbours are untouched (tests check)."""
-        for t in (*self.conv, *self.recurrent):
-            if t is not None:
-                t[slot].zero_()
+        """Zero one slot; its neighbours are untouched (tests check). One multi-tensor launch on
+        CUDA instead of one per layer and kind (36 for the 0.8B shape)."""
+        torch._foreach_zero_([t[slot] for t in (*self.conv, *self.recurrent) if t is not None])
 
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.recurrent) if t is not None)
@@ -77,9 +76,12 @@ class StatePool:
                 for c, r in zip(self.conv, self.recurrent, strict=True)]
 
     def restore(self, slot: int, snap: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        dst, src = [], []
         for c, r, s in zip(self.conv, self.recurrent, snap, strict=True):
             if c is not None:
-                c[slot].copy_(s[0]), r[slot].copy_(s[1])
+                dst += [c[slot], r[slot]]
+                src += [s[0], s[1]]
+        torch._foreach_copy_(dst, src)  # one multi-tensor launch on CUDA
 
 
 class KVPool:

@@ -82,8 +82,9 @@ class GatedDeltaNet(nn.Module):
             g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
             o, final = gdn_prefill(q, k, v, g, beta, recurrent, stops, on_boundary)
             recurrent.copy_(final)
-        z = z.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
-        o = self.norm(o, z, dtype).reshape(bsz, seq_len, self.value_dim)
+        # z as [rows, HV*V]: a view of the projection the norm kernel reads in place
+        o = self.norm(o, z.reshape(bsz * seq_len, self.value_dim), dtype)
+        o = o.reshape(bsz, seq_len, self.value_dim)
         return o, conv_window
 
     def forward_batch(self, x: torch.Tensor, batch: StepBatch, layer: int) -> torch.Tensor:
@@ -113,6 +114,8 @@ class GatedDeltaNet(nn.Module):
             o, new_window = self._scan(qkv[:, span], z[:, span], b[:, span], a[:, span], window,
                                        state, x.dtype, stops, keep)
             conv_pool[chunk.slot].copy_(new_window[0])
+            if len(batch.chunks) == 1:  # the step's only chunk: no copy into the step's rows
+                return self.out_proj(o)
             out[span] = o[0]
         return self.out_proj(out.unsqueeze(0))
 

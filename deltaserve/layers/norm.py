@@ -34,4 +34,5 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps).to(out_dtype)
+        """x [..., N]; z of x's shape, or [R, G*N] (G heads per row: a projection's view)."""
+        return gated_rms_norm(x, z, self.weight, self.eps, out_dtype)

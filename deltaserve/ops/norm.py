@@ -57,15 +57,18 @@ def gated_rms_norm_ref(
     return rms_norm_ref(x.float(), weight, eps, 0.0) * F.silu(z.float())
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
-    """Same contract as gated_rms_norm_ref: one Triton kernel on CUDA (as cuda_kernel_rows)."""
-    if cuda_kernel_rows(x):
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gated_rms_norm_ref(x, z).to(out_dtype): one Triton kernel on CUDA (as cuda_kernel_rows, or
+    any row count when z, the projection output, is 16-bit: the scan's fp32 output of a bf16 model
+    is not an fp32 model). z may also be [R, G*N] rows of G heads (a projection's view)."""
+    if cuda_kernel_rows(x) or (x.is_cuda and z.dtype != torch.float32
+                               and not env().reference_ops):
         from deltaserve.ops import triton_norm
 
         if triton_norm.available():
-            return triton_norm.gated_rms_norm_cuda(x, z, weight, eps)
-    return gated_rms_norm_ref(x, z, weight, eps)
+            return triton_norm.gated_rms_norm_cuda(x, z, weight, eps, out_dtype)
+    return gated_rms_norm_ref(x, z.reshape(x.shape), weight, eps).to(out_dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

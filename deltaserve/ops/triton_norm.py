@@ -66,9 +66,10 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
     return out.reshape(x.shape)
 
 
-def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> torch.Tensor:
-    """gated_rms_norm_ref's contract: rms_norm(x) * w * silu(z) in fp32, fp32 out. x [..., N];
+def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gated_rms_norm_ref's contract: rms_norm(x) * w * silu(z) in fp32, rounded once to out_dtype
+    (as .to(out_dtype) of the fp32 result would). x [..., N];
     z either x's shape or [R, G*N] (rows of G heads, e.g. a view of a projection's output with
     unit column stride: read in place)."""
     dim = x.shape[-1]
@@ -79,7 +80,7 @@ def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     else:
         gate = z.reshape(-1, dim).contiguous()
         groups, z_stride = 1, dim
-    out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
     _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), gate, out, dim, z_stride, groups, eps,
                                   0.0, HAS_GATE=True, BLOCK=triton.next_power_of_2(dim))
     return out.reshape(x.shape)

@@ -89,9 +89,12 @@ qgemm)  # issue 6: the int8 decode-batch GEMM (tests, sweep vs cuBLAS), then the
         2>&1 | quiet 6
     ;;
 profile)  # issues 5 and 8: where a short prefill's host time goes, per source line
-    python3 scripts/gpu/ttft_profile.py --stacks --cprofile --out "$OUT/ttft-profile.json" \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_norm.py \
+        tests/ops/test_triton_gdn_scan.py tests/engine tests/cache tests/models \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -4
+    python3 scripts/gpu/ttft_profile.py --stacks --out "$OUT/ttft-profile.json" \
         > "$OUT/ttft-profile.log" 2>&1
-    grep -v "^ *{" "$OUT/ttft-profile.log" | grep -v -i warn | head -150 | cut -c1-220
+    grep -v "^ *{" "$OUT/ttft-profile.log" | grep -v -i warn | head -100 | cut -c1-200
     python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
 shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
 print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2

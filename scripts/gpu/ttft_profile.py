@@ -46,25 +46,27 @@ def _profiled(llm: LLM, ids: list[int], one: SamplingParams, stacks: bool = Fals
 
 
 def _launch_sites(prof) -> list[dict]:
-    """Kernel launches and memcpys per deltaserve source line (the innermost frame of ours)."""
+    """Host work per deltaserve call site (the innermost two deltaserve frames above it):
+    top-level aten ops (each one dispatch, most one launch) and Triton kernel launches."""
     counts: dict[str, list] = {}
     for e in prof.events():
-        if not ("Launch" in e.name or "Memcpy" in e.name or "Memset" in e.name):
+        parent = e.cpu_parent
+        top_aten = e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::"))
+        triton_run = "triton/runtime/jit.py" in e.name and e.name.endswith(": run")
+        if not (top_aten or triton_run):
             continue
-        frames, node = [], e
-        while node is not None and len(frames) < 2:  # the innermost two deltaserve frames above
-            ours = [f for f in (node.stack or []) if "deltaserve/" in f]
-            frames += [f.split("deltaserve/")[-1] for f in ours]
+        frames, node = [], parent
+        while node is not None and len(frames) < 2:
             if "deltaserve/" in node.name:
                 frames.append(node.name.split("deltaserve/")[-1])
             node = node.cpu_parent
-        site = " < ".join(frames[:2]) or "(no deltaserve frame)"
+        site = " < ".join(frames) or "(no deltaserve frame)"
         row = counts.setdefault(site, [0, 0.0, set()])
         row[0] += 1
         row[1] += e.cpu_time_total / 1e3
-        row[2].add(e.name)
-    rows = sorted(counts.items(), key=lambda kv: kv[1][0], reverse=True)
-    return [{"site": k, "count": v[0], "cpu_ms": round(v[1], 3), "kinds": sorted(v[2])}
+        row[2].add("triton" if triton_run else e.name)
+    rows = sorted(counts.items(), key=lambda kv: kv[1][1], reverse=True)
+    return [{"site": k, "count": v[0], "cpu_ms": round(v[1], 3), "kinds": sorted(v[2])[:6]}
             for k, v in rows[:60]]
 
 
@@ -112,7 +114,7 @@ def main() -> None:
         for row in prof["top_self_cpu"][:8]:
             print("   ", row, flush=True)
         for row in prof.get("launch_sites", [])[:40]:
-            print("    site", row["count"], row["site"], row["kinds"], flush=True)
+            print("    site", row["count"], row["cpu_ms"], row["site"], row["kinds"], flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     if args.cprofile:
         for name in ("fresh_40", "hit_4k_plus_40", "fresh_4096"):
