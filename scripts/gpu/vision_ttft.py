@@ -71,13 +71,27 @@ def _server_ttft_sum_s(base: str) -> float:
     return float("nan")
 
 
-def _timed_runs(base: str, h: int, w: int, count: int) -> list[tuple[float, float, int, float]]:
-    """(client TTFT, client e2e, prompt tokens, server admission-to-first-token) per request."""
+def _sm_clock_mhz() -> float:
+    """The GPU's SM clock now (NVML; no CUDA context in this client), or nan."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    except Exception:  # noqa: BLE001 (no NVML: a CPU run)
+        return float("nan")
+
+
+def _timed_runs(base: str, h: int, w: int, count: int) -> list[tuple]:
+    """(client TTFT, client e2e, prompt tokens, server admission-to-first-token, SM clock MHz
+    just before the request) per request."""
     runs = []
     for seed in range(count):
-        before = _server_ttft_sum_s(base)
-        first, e2e, prompt = _ttft_s(base, _data_url(h, w, seed))
-        runs.append((first, e2e, prompt, _server_ttft_sum_s(base) - before))
+        url = _data_url(h, w, seed)
+        before, clock = _server_ttft_sum_s(base), _sm_clock_mhz()
+        first, e2e, prompt = _ttft_s(base, url)
+        runs.append((first, e2e, prompt, _server_ttft_sum_s(base) - before, clock))
     return runs
 
 
@@ -177,7 +191,8 @@ def main() -> None:
                              # admission to first token inside the server; the rest of the
                              # client's TTFT is HTTP, image decode + slicing and the tower
                              "server_admit_to_first_token_ms_all": server_ms,
-                             "server_admit_to_first_token_ms_median": statistics.median(server_ms)}
+                             "server_admit_to_first_token_ms_median": statistics.median(server_ms),
+                             "sm_clock_mhz_before": [r[4] for r in runs]}
             one = [_one_token_s(base, _data_url(h, w, 2000 + seed)) * 1e3
                    for seed in range(args.requests)]
             results[name]["one_token_response_ms_median"] = statistics.median(one)
