@@ -87,16 +87,31 @@ def supports(scheme) -> bool:
 
 
 def launch_config(rows: int, n: int, k: int, group: int, num_sms: int = 132) -> Config:
-    """Tile rows to the batch, 64 outputs per tile; split K when the tiles fill under half the
-    GPU (the N = 1024 projections), keeping >= 2 groups per program."""
+    """The launch shape by batch size and output width, from scripts/gpu/qgemm_tune.py's H200 sweep
+    (docs/benchmarks/2026-11-30-h200-qgemm-tune.json; on the 0.8B layer shapes its totals are within
+    2% of the sweep's best at 8, 32 and 128 rows, 5120x1024 at 32 rows 10% off the best there):
+    - up to 16 rows: 32-wide tiles (more programs for a thin GEMM), 4 stages;
+    - 17-64 rows: 64-wide tiles, 4 stages; more rows: 32-wide tiles, 3 stages;
+    - the vocabulary head (N >= 100k, many tiles anyway): 64-wide tiles up to 16 rows, 128-wide
+      beyond, at most 64 rows per tile;
+    - outputs whose tiles fill under half the GPU (N = 1024): K split in powers of two up to
+      two waves, keeping >= 4 groups per program."""
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n = 64
+    if n >= 100_000:
+        block_m, block_n, stages = min(block_m, 64), (64 if rows <= 16 else 128), 4
+    elif rows <= 16:
+        block_n, stages = 32, 4
+    elif rows <= 64:
+        block_n, stages = 64, 4
+    else:
+        block_n, stages = 32, 3
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     num_groups = k // group
     split = 1
-    while tiles * split * 2 <= num_sms and num_groups // (split * 2) >= 2:
+    while tiles * 2 <= num_sms and tiles * split * 2 <= 2 * num_sms \
+            and num_groups // (split * 2) >= 4:
         split *= 2
-    return Config(block_m, block_n, split, num_warps=4, num_stages=3)
+    return Config(block_m, block_n, split, num_warps=4, num_stages=stages)
 
 
 def qgemm_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None) -> torch.Tensor:

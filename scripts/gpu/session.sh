@@ -11,6 +11,7 @@
 #                                       # prefix-cache TTFT, the image question's TTFT via serve
 #   bash scripts/gpu/session.sh qgemm   # int8 batch GEMM tests + sweep, then the batched engine
 #   bash scripts/gpu/session.sh profile # ttft_profile per source line, prefix TTFT, image TTFT
+#   bash scripts/gpu/session.sh final   # every gpu test, batch bench, prefill_syncs.py
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -87,6 +88,14 @@ qgemm)  # issue 6: the int8 decode-batch GEMM (tests, sweep vs cuBLAS), then the
         | grep -v -i warn | cut -c1-400 | tail -22
     python3 scripts/gpu/batch_bench.py --int8 --peer-batches none --out "$OUT/batch-bench.json" \
         2>&1 | quiet 6
+    ;;
+final)  # every gpu test, the int8 batch GEMM's launch rule in the engine, a prefill's syncs
+    python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | tail -6
+    python3 scripts/gpu/batch_bench.py --int8 --batches 1,8,32,128 --peer-batches none \
+        --out "$OUT/batch-bench.json" 2>&1 | quiet 4
+    python3 scripts/gpu/prefill_syncs.py --out "$OUT/prefill-syncs.json" 2>&1 | grep -v -i warn \
+        | cut -c1-160 | head -120
     ;;
 profile)  # issues 5 and 8: where a short prefill's host time goes, per source line
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_norm.py \

@@ -67,8 +67,9 @@ def test_launch_config_splits_only_narrow_outputs() -> None:
     the wide ones do not. Plain arithmetic, no kernel."""
     if triton_qgemm.triton is None:
         pytest.skip("needs Triton")
-    wide = triton_qgemm.launch_config(128, 8224, 1024, 64)
-    narrow = triton_qgemm.launch_config(128, 1024, 3584, 64)
-    assert wide.split == 1
-    assert narrow.split >= 4 and (3584 // 64) // narrow.split >= 2
+    for rows in (2, 8, 32, 128, 256):
+        for n in (8224, 5120, 248320):
+            assert triton_qgemm.launch_config(rows, n, 1024, 64).split == 1
+        narrow = triton_qgemm.launch_config(rows, 1024, 3584, 64)
+        assert narrow.split >= 2 and (3584 // 64) // narrow.split >= 4
     assert not triton_qgemm.supports(Scheme(kind="int8", bits=8, group_size=8))
