@@ -6,9 +6,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from deltaserve.cache.batch import SeqChunk, StepBatch
+from deltaserve.cache.batch import SeqChunk, StepBatch, host_to_device
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
@@ -107,7 +108,8 @@ class ModelRunner:
             from deltaserve.spec.rollback import VerifyRecord
 
             batch.spec = VerifyRecord(batch, self.spec_rollback)
-        ids_t = torch.tensor([max(t, 0) for t in ids] if feed else ids, device=device)
+        ids_t = host_to_device(np.array([max(t, 0) for t in ids] if feed else ids, np.int64),
+                               device)
         if feed is not None:  # decode-only: chunk i is token i
             fed_ids(ids_t, feed)
         with native_rows(not batch.prefill):  # decode rows' bits independent of the batch
