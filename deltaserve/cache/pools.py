@@ -63,9 +63,13 @@ class StatePool:
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:
-        """Zero one slot; its neighbours are untouched (tests check). One multi-tensor launch on
-        CUDA instead of one per layer and kind (36 for the 0.8B shape)."""
-        torch._foreach_zero_([t[slot] for t in (*self.conv, *self.recurrent) if t is not None])
+        """Zero one slot; its neighbours are untouched (tests check). One multi-tensor launch per
+        dtype on CUDA (conv windows, recurrent matrices) instead of one per layer and kind (36
+        for the 0.8B shape); a pipeline stage without GDN layers has nothing to zero."""
+        for group in (self.conv, self.recurrent):
+            views = [t[slot] for t in group if t is not None]
+            if views:
+                torch._foreach_zero_(views)
 
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.recurrent) if t is not None)
@@ -76,12 +80,11 @@ class StatePool:
                 for c, r in zip(self.conv, self.recurrent, strict=True)]
 
     def restore(self, slot: int, snap: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        dst, src = [], []
-        for c, r, s in zip(self.conv, self.recurrent, snap, strict=True):
-            if c is not None:
-                dst += [c[slot], r[slot]]
-                src += [s[0], s[1]]
-        torch._foreach_copy_(dst, src)  # one multi-tensor launch on CUDA
+        """The slot's state from a snapshot: one multi-tensor copy per kind on CUDA."""
+        for kind, group in enumerate((self.conv, self.recurrent)):
+            pairs = [(t[slot], s[kind]) for t, s in zip(group, snap, strict=True) if t is not None]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 class KVPool:

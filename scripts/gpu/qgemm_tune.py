@@ -82,6 +82,8 @@ def tune(n, k, rows, dev, copies, nbytes):
         us = graphed([lambda p=p, cfg=cfg: qg.qgemm_cuda(x, p, SCHEME, cfg) for p in copies]) * 1e6
         results.append({"config": list(cfg), "rel_err": err, "cold_us": us})
     ok = [r for r in results if "cold_us" in r and r["rel_err"] < 8e-3]
+    if not ok:
+        raise RuntimeError(f"no config of {n}x{k} at {rows} rows passed the accuracy check")
     best = min(ok, key=lambda r: r["cold_us"])
     return {"shape": [n, k], "rows": rows, "bytes": nbytes, "copies": len(copies),
             "cublas_bf16_us": cublas_us, "auto": results[0], "best": best,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import json
 import os
@@ -71,16 +72,26 @@ def _server_ttft_sum_s(base: str) -> float:
     return float("nan")
 
 
-def _sm_clock_mhz() -> float:
-    """The GPU's SM clock now (NVML; no CUDA context in this client), or nan."""
+@functools.cache
+def _nvml_handle():
+    """NVML's handle of GPU 0 (no CUDA context in this client), or None without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+        return pynvml.nvmlDeviceGetHandleByIndex(0)
     except Exception:  # noqa: BLE001 (no NVML: a CPU run)
+        return None
+
+
+def _sm_clock_mhz() -> float:
+    """The GPU's SM clock now, or nan."""
+    handle = _nvml_handle()
+    if handle is None:
         return float("nan")
+    import pynvml
+
+    return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
 
 
 def _timed_runs(base: str, h: int, w: int, count: int) -> list[tuple]:
@@ -149,6 +160,21 @@ def _one_token_s(base: str, url: str) -> float:
     return time.perf_counter() - t0
 
 
+def _wait_ready(base: str, server, log, log_path: str) -> None:
+    """Until /health answers 200 (the model loaded), or the server died / 300 s passed."""
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            log.flush()
+            raise RuntimeError("the server did not come up:\n" + open(log_path).read()[-3000:])
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
@@ -167,17 +193,7 @@ def main() -> None:
                                str(args.port), "--served-model-name", "m"], env=os.environ,
                               stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                raise RuntimeError("the server did not come up:\n" + open(log_path).read()[-3000:])
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        _wait_ready(base, server, log, log_path)
         results = {}
         for name, (h, w) in {"448x448": (448, 448), "5-slice 672x896": (672, 896)}.items():
             for seed in range(3):  # warm-up: kernels compiled, allocator sized

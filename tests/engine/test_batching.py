@@ -216,6 +216,33 @@ def test_reset_one_slot_leaves_neighbours(tiny_llm) -> None:
             assert r[slots[1]].abs().sum() == 0
 
 
+def test_state_pool_without_gdn_layers_and_restore(tiny_llm) -> None:
+    """A pipeline stage holding only attention layers has a state pool with nothing in it:
+    reset and restore are no-ops there. Elsewhere restore puts a snapshot back bit for bit."""
+    from dataclasses import replace
+
+    from deltaserve.cache.pools import StatePool
+
+    cfg = tiny_llm.model.cfg
+    attention_only = replace(cfg, layer_types=["full_attention"] * len(cfg.layer_types))
+    empty = StatePool(attention_only, 2, torch.float32, torch.device("cpu"))
+    slot = empty.allocate()
+    empty.restore(slot, empty.snapshot(slot))
+    states = StatePool(cfg, 3, torch.float32, torch.device("cpu"))
+    slot = states.allocate()
+    for c, r in zip(states.conv, states.recurrent, strict=True):
+        if c is not None:
+            c[slot].normal_(), r[slot].normal_()
+    snap = states.snapshot(slot)
+    states.reset(slot)
+    assert all(t[slot].abs().sum() == 0 for t in (*states.conv, *states.recurrent) if t is not None)
+    states.restore(slot, snap)
+    for layer, s in enumerate(snap):
+        if s is not None:
+            assert torch.equal(states.conv[layer][slot], s[0])
+            assert torch.equal(states.recurrent[layer][slot], s[1])
+
+
 def test_full_pools_wait_or_refuse(tiny_llm) -> None:
     # 2 slots for 5 requests: the rest wait and run later, every output exact
     engine = make_engine(tiny_llm, num_slots=2, num_blocks=24, prefix_bytes=0)
