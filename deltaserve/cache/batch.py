@@ -138,7 +138,7 @@ def _token_places(chunks: list[SeqChunk], block_len: int) -> np.ndarray:
     if all(c.num_tokens == 1 for c in chunks):
         pos = [c.start_pos for c in chunks]
         return np.array([pos, [c.block_table[p // block_len] for c, p in zip(chunks, pos, strict=True)],
-                         [p % block_len for p in pos]], dtype=np.int64).reshape(3, len(chunks))
+                         [p % block_len for p in pos]], dtype=np.int64)
     parts = []
     for c in chunks:
         pos = np.arange(c.start_pos, c.end_pos, dtype=np.int64)
@@ -149,7 +149,8 @@ def _token_places(chunks: list[SeqChunk], block_len: int) -> np.ndarray:
 
 def host_to_device(host: np.ndarray, device) -> torch.Tensor:
     """An int64 array on the device; on CUDA through pinned memory with a non-blocking copy (a
-    copy from pageable memory synchronizes the stream, making the GPU wait for the host)."""
+    blocking copy waits for the queued work: the GPU then idles until the host catches up, and
+    an overlapped decode step would wait for the step in flight)."""
     out = torch.from_numpy(np.ascontiguousarray(host))
     if torch.device(device).type != "cuda":
         return out

@@ -154,14 +154,9 @@ def fed_ids(ids: torch.Tensor, feed: Feed) -> None:
     if dst == src == list(range(len(dst))):
         ids[: len(dst)].copy_(tokens[: len(dst)])
         return
-    index = _to_device([*dst, *src], ids.device)
+    index = host_to_device(np.array([*dst, *src], np.int64), ids.device)
     ids.index_copy_(0, index[: len(dst)], tokens.index_select(0, index[len(dst):]))
 
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 values on the device, staged without waiting for queued work (a blocking copy would
-    wait for the step in flight, undoing the overlap)."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _step_logits(logits: torch.Tensor, plan: StepPlan) -> StepLogits:

@@ -19,7 +19,7 @@ import torch
 from deltaserve.config import FULL
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import _q8_fn
+from deltaserve.ops.qgemv import q8_is_vnni
 
 BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
 
@@ -109,8 +109,7 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
         return None
     kind = kinds[(scheme.kind, scheme.bits)]
     if kind is None:
-        vnni = getattr(lib, "ds_gemv_q8_vnni", None)
-        kind = Q8_VNNI if vnni is not None and _q8_fn(lib, n, k, g) is vnni else Q8
+        kind = Q8_VNNI if q8_is_vnni(lib, n, k, g) else Q8
     bias = linear.biases.data_ptr() if scheme.has_biases() else None
     return DsMat(kind, linear.weight.data_ptr(), linear.scales.data_ptr(), bias, n, k, g)
 

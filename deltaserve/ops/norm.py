@@ -62,8 +62,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """gated_rms_norm_ref(x, z).to(out_dtype): one Triton kernel on CUDA (as cuda_kernel_rows, or
     any row count when z, the projection output, is 16-bit: the scan's fp32 output of a bf16 model
     is not an fp32 model). z may also be [R, G*N] rows of G heads (a projection's view)."""
-    if cuda_kernel_rows(x) or (x.is_cuda and z.dtype != torch.float32
-                               and not env().reference_ops):
+    if cuda_kernel_rows(x) or (z.dtype != torch.float32 and cuda_kernel_rows(z)):
         from deltaserve.ops import triton_norm
 
         if triton_norm.available():

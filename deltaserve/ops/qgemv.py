@@ -96,6 +96,13 @@ def _q8_fn(lib, n: int, k: int, group: int):
     return vnni if q8_kernel(n, k) == "vnni" else lib.ds_gemv_q8
 
 
+def q8_is_vnni(lib, n: int, k: int, group: int) -> bool:
+    """Whether _q8_fn takes the VNNI kernel for this shape (its multi-row and native-step forms
+    follow the same choice, so every path gives a row the same bits)."""
+    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
+    return vnni is not None and _q8_fn(lib, n, k, group) is vnni
+
+
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]
@@ -129,9 +136,8 @@ def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
         return multi
     if scheme.kind != "int8":
         return None
-    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
-    exact = _q8_fn(lib, n, k, scheme.group_size) is not vnni or vnni is None
-    multi = getattr(lib, "ds_gemm_q8" if exact else "ds_gemm_q8_vnni", None)
+    multi = getattr(lib, "ds_gemm_q8_vnni" if q8_is_vnni(lib, n, k, scheme.group_size)
+                    else "ds_gemm_q8", None)
     if multi is None:
         return None
     if multi.argtypes is None:  # registered beside its one caller

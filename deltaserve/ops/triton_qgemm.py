@@ -18,6 +18,7 @@ alternatives against cuBLAS on the dequantized weights).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -114,6 +115,13 @@ def launch_config(rows: int, n: int, k: int, group: int, num_sms: int = 132) -> 
     return Config(block_m, block_n, split, num_warps=4, num_stages=stages)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (asked once per device: qgemm_cuda runs per projection)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 132
+
+
 def qgemm_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times packed int8 weights -> [M, N] in x.dtype."""
     rows, k = x.shape
@@ -121,9 +129,7 @@ def qgemm_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None) -
     n, g = w.shape[0], scheme.group_size
     fp32 = x.dtype == torch.float32
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count \
-            if x.device.type == "cuda" else 132
-        config = launch_config(rows, n, k, g, num_sms)
+        config = launch_config(rows, n, k, g, _num_sms(x.device))
         if fp32:  # 4-byte tiles: fewer stages fit in shared memory
             config = config._replace(num_stages=2)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)

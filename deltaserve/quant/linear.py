@@ -109,8 +109,9 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return out.reshape(*x.shape[:-1], out.shape[-1])
     max_rows = WIDEN_MIN_ROWS - 1
     if x.device.type == "cpu":  # decode-only steps: up to 32 int8 / int4 rows, multi-row kernels
+        # (decode_max_rows is never under CPU_GEMV_MAX_ROWS: fewer rows need not ask)
         max_rows = decode_max_rows(module.scheme, module.weight.shape[0], module.in_cols) \
-            if _all_rows_native[0] else CPU_GEMV_MAX_ROWS
+            if _all_rows_native[0] and rows > CPU_GEMV_MAX_ROWS else CPU_GEMV_MAX_ROWS
     gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
     if gemv is None:
         return F.linear(x, dequantized(module, x.dtype))

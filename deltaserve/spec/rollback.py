@@ -72,8 +72,9 @@ class VerifyRecord:
                 if self.strategy == "recompute":
                     bufs[0], views = _carve(sizes[:1], shapes)
                     self.before[layer] = views[0]
-                    bufs[1], self.inputs[layer] = _carve(sizes, _row_shapes(*shapes))
-                    self.layers[layer] = model_layers[layer].linear_attn
+                    gdn = self.layers[layer] = model_layers[layer].linear_attn
+                    # in-projection rows qkv | z | b | a, as the layer splits them
+                    bufs[1], self.inputs[layer] = _carve(sizes, [(n,) for n in gdn.in_proj.out_sizes])
                 else:
                     bufs[2], self.kept[layer] = _carve(sizes[:-1], shapes)
             for out, buf in zip((before, inputs, kept), bufs, strict=True):
@@ -134,13 +135,6 @@ def _carve(sizes: list[int], shapes) -> tuple[torch.Tensor, list[tuple]]:
             at += n * numel
         views.append(tuple(step))
     return flat, views
-
-
-def _row_shapes(conv_shape, state_shape) -> tuple:
-    """The in-projection row blocks of a GDN step, from its pools' slot shapes: qkv [C],
-    z [HV*V], b [HV], a [HV]."""
-    num_heads = state_shape[0]
-    return ((conv_shape[0],), (num_heads * state_shape[2],), (num_heads,), (num_heads,))
 
 
 def verify_steps(gdn, rows: Rows, batch: StepBatch, layer: int, out: torch.Tensor) -> None:

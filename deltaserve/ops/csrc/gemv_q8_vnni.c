@@ -14,6 +14,8 @@
 
 void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
                 int num_threads);
+void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long M, long N, long K,
+                long G, int num_threads);
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // int8 x int8 (llama.cpp Q8_0 x Q8_0): x is quantized per group of G (symmetric, d = absmax/127,
@@ -108,7 +110,7 @@ void ds_gemv_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, 
 void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads) {
   if (G % 64 || K % G || G > VNNI_MAX_G) {
-    for (long m = 0; m < M; m++) ds_gemv_q8(w, s, x + m * K, y + m * N, N, K, G, num_threads);
+    ds_gemm_q8(w, s, x, y, M, N, K, G, num_threads);  // the bits of a ds_gemv_q8 per row
     return;
   }
   const long stride = K + (K / G * 8 + 63) / 64 * 64;  // per row: xq, then dx and corr
