@@ -34,6 +34,9 @@ class Env:
     # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
     exact_int8_activations: bool
     fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
+    # DELTASERVE_AMX=0: fp32 vision GEMMs on CPU stay on torch's fp32 GEMM instead of the AMX
+    # bf16x2 split kernel (ops/gemm_amx.py)
+    amx: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -57,6 +60,7 @@ class Env:
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
             fla=_flag("DELTASERVE_FLA", default=True),
+            amx=_flag("DELTASERVE_AMX", default=True),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

@@ -55,11 +55,11 @@ class WindowMerger(nn.Module):
         x = x[order]  # [L, C], each window's tokens contiguous
         # the norm is per token, so normalising after the reorder equals the reference's before
         window_lens = [window_area] * (num_tokens // window_area)
-        x = x + self.self_attn(self.layer_norm1(x), window_lens)
+        x = self.self_attn(self.layer_norm1(x), window_lens, residual=x)
         windows = x.view(-1, window_area, width)  # [L / 4, 4, C]
         mlp_in = self.pre_norm(windows.flatten(1))  # [L / 4, 4C]
-        mlp_out = self.linear_2(F.gelu(self.linear_1(mlp_in), approximate="tanh"))
-        return mlp_out + windows.mean(dim=1)  # residual: the window's mean token
+        # residual: the window's mean token
+        return self.linear_2(self.linear_1(mlp_in, gelu_tanh=True), windows.mean(dim=1))
 
 
 class Projector(nn.Module):
