@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.multimodal.config import VisionConfig
+from deltaserve.multimodal.positions import device_index
 from deltaserve.multimodal.siglip import BiasLinear, VisionAttention, make_layer_norm
 
 # transformers builds the final merger's LayerNorm with a literal eps, not the config's
@@ -51,7 +52,8 @@ class WindowMerger(nn.Module):
     def forward(self, x: torch.Tensor, grid_hw: list[tuple[int, int]]) -> torch.Tensor:
         num_tokens, width = x.shape
         window_area = self.window[0] * self.window[1]
-        order = block_order(grid_hw, *self.window).to(x.device)
+        order = device_index(("window", *self.window), grid_hw, x.device,
+                             lambda: block_order(grid_hw, *self.window))
         x = x[order]  # [L, C], each window's tokens contiguous
         # the norm is per token, so normalising after the reorder equals the reference's before
         window_lens = [window_area] * (num_tokens // window_area)
@@ -78,7 +80,8 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor, grid_hw: list[tuple[int, int]]) -> torch.Tensor:
         merge_area = self.kernel[0] * self.kernel[1]
-        order = block_order(grid_hw, *self.kernel).to(x.device)
+        order = device_index(("merge", *self.kernel), grid_hw, x.device,
+                             lambda: block_order(grid_hw, *self.kernel))
         blocks = x[order].view(-1, merge_area * x.shape[1])  # [L / 4, 4C]
         hidden = F.gelu(self.linear_1(self.pre_norm(blocks)))  # exact (erf) GELU
         return self.linear_2(hidden)

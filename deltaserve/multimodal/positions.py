@@ -7,6 +7,8 @@ are computed with the very operators transformers uses, never with exact fractio
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -37,3 +39,31 @@ def position_ids(grid_hw: list[tuple[int, int]], num_patches_per_side: int) -> t
     return torch.cat(
         [piece_position_ids(h, w, num_patches_per_side, boundaries) for h, w in grid_hw]
     )
+
+
+_INDEX_MEMO: dict[tuple, torch.Tensor] = {}
+_MEMO_LOCK = threading.Lock()
+MAX_MEMO_ENTRIES = 64  # distinct (kind, grids, device) index tensors kept; beyond, the memo restarts
+
+
+def device_index(kind: object, grid_hw: list[tuple[int, int]], device: torch.device, build
+                 ) -> torch.Tensor:
+    """build() (a host index tensor for these grids) on `device`, made once per (kind, grids,
+    device): no host-to-device copy per call, so the tower can be captured in a CUDA graph
+    (multimodal/graphs.py). Callers must not write into the result."""
+    key = (kind, tuple(grid_hw), str(device))
+    with _MEMO_LOCK:
+        found = _INDEX_MEMO.get(key)
+    if found is None:
+        found = build().to(device)
+        with _MEMO_LOCK:
+            if len(_INDEX_MEMO) >= MAX_MEMO_ENTRIES:
+                _INDEX_MEMO.clear()
+            _INDEX_MEMO[key] = found
+    return found
+
+
+def memo_tensors() -> list[torch.Tensor]:
+    """Every index tensor the memo holds now (a captured graph keeps them alive)."""
+    with _MEMO_LOCK:
+        return list(_INDEX_MEMO.values())

@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from deltaserve.env import env
 from deltaserve.errors import RequestError
 from deltaserve.multimodal.config import DOWNSAMPLE_MODES, MERGE_SIDE_PATCHES, VisionConfig
 from deltaserve.multimodal.merger import Projector, WindowMerger
-from deltaserve.multimodal.positions import position_ids
+from deltaserve.multimodal.positions import device_index, position_ids
 from deltaserve.multimodal.siglip import (
     EncoderLayer,
     VisionEmbeddings,
@@ -47,6 +48,7 @@ class VisionModel(nn.Module):
         self.vision_tower = VisionTower(cfg, dtype)
         # the checkpoint's `model.merger.mlp.0.*`: one merge round (merger_times 1)
         self.merger = nn.ModuleDict({"mlp": nn.ModuleList([Projector(cfg, dtype)])})
+        self._graphs = None  # multimodal/graphs.TowerGraphs, made at the first call on CUDA
 
     @property
     def projector(self) -> Projector:
@@ -57,7 +59,17 @@ class VisionModel(nn.Module):
     ) -> torch.Tensor:
         """pixel_values [1, channels, P, L*P] (the processor's packed strip; the leading 1 may be
         dropped), grid_hw (h, w) per piece in patches -> features [L / 16 (16x) or L / 4 (4x), E],
-        pieces in order. `mode` defaults to the config's downsample_mode."""
+        pieces in order. `mode` defaults to the config's downsample_mode. On CUDA a grid seen
+        before replays a captured graph (multimodal/graphs.py; DELTASERVE_CUDA_GRAPHS=0: never)."""
+        mode = self.cfg.downsample_mode if mode is None else mode
+        weight = self.vision_tower.embeddings.patch_embedding.weight
+        if weight.is_cuda and env().cuda_graphs:
+            if self._graphs is None:
+                from deltaserve.multimodal.graphs import TowerGraphs
+
+                self._graphs = TowerGraphs(self)
+            grids = check_grid(grid_hw, mode)
+            return self._graphs.run(self._check_pixels(pixel_values, grids), grids, mode)
         return self._run(pixel_values, grid_hw, mode, None)
 
     def trace(
@@ -81,7 +93,8 @@ class VisionModel(nn.Module):
         grids = check_grid(grid_hw, mode)
         pixels = self._check_pixels(pixel_values, grids)
         record = record or (lambda name, x: None)
-        pos_ids = position_ids(grids, cfg.num_patches_per_side).to(pixels.device)
+        pos_ids = device_index("positions", grids, pixels.device,
+                               lambda: position_ids(grids, cfg.num_patches_per_side))
         x = tower.embeddings(pixels, pos_ids)  # [L, C]
         record("embeddings", x)
         for layer_idx, layer in enumerate(tower.encoder["layers"]):
