@@ -12,6 +12,7 @@
 #   bash scripts/gpu/session.sh qgemm   # int8 batch GEMM tests + sweep, then the batched engine
 #   bash scripts/gpu/session.sh profile # ttft_profile per source line, prefix TTFT, image TTFT
 #   bash scripts/gpu/session.sh final   # every gpu test, batch bench, prefill_syncs.py
+#   bash scripts/gpu/session.sh graphs  # tower graph tests, tower bench, image TTFT, prefill cProfile
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -110,5 +111,17 @@ print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-
     ckpt minicpm-v-4.6 /tmp/mcv
     python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
         --out "$OUT/vision-ttft.json" 2>&1 | quiet 12
+    ;;
+graphs)  # issue 8: the tower's CUDA graphs; where a short prefill's host time goes (cProfile)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/multimodal tests/engine/test_cuda_graphs.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -4
+    python3 -m deltaserve.bench.vision --device cuda --dtype bfloat16 --repeats 20 \
+        --out "$OUT/vision-tower.json" 2>&1 | quiet 4
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet 14
+    python3 scripts/gpu/ttft_profile.py --cprofile --out "$OUT/ttft-profile.json" \
+        > "$OUT/ttft-profile.log" 2>&1
+    grep -v -i warn "$OUT/ttft-profile.log" | grep -v "^ *{" | head -20 | cut -c1-200
     ;;
 esac
