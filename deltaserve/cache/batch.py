@@ -31,6 +31,27 @@ class SeqChunk:
         return self.start_pos + self.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class GraphChunk:
+    """One sequence's chunk of real_len tokens padded to T rows, described on the device only."""
+
+    slot: torch.Tensor  # [1] int64 state-pool slot
+    real_len: torch.Tensor  # [1] int64 tokens that are real (rows past it are padding)
+    num_rows: int  # T
+
+    def pad_rows(self) -> torch.Tensor:
+        """[T] bool, True for the padding rows."""
+        return torch.arange(self.num_rows, device=self.real_len.device) >= self.real_len
+
+    def window_rows(self, width: int) -> torch.Tensor:
+        """[width] rows of [old window | chunk] holding the conv inputs before the first pad."""
+        return torch.arange(width, device=self.real_len.device) + self.real_len
+
+    def last_row(self) -> torch.Tensor:
+        """[1] the last real row (where the next-token logits come from)."""
+        return self.real_len - 1
+
+
 @dataclass(slots=True)
 class StepBatch:
     chunks: list[SeqChunk]
@@ -53,6 +74,9 @@ class StepBatch:
         default_factory=dict
     )
     tables: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> its block table
+    # a captured prefill graph's one padded chunk (engine/prefill_graph.py); then the chunk's rows
+    # attend as decode rows (decode_tables / decode_lengths) and prefill, decode, verify are empty
+    graph_chunk: GraphChunk | None = None
 
     def chunk_table(self, i: int, device) -> torch.Tensor:
         """Chunk i's block table on the device (prefill chunks': copied in build, once per step)."""

@@ -73,6 +73,13 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, cache, cache.spare_slot, cache.spare_block,
                                        greedy_head)
+        self.prefill_graphs = None  # short single-chunk prefill steps (engine/prefill_graph.py)
+        if self.graphs is not None:
+            from deltaserve.engine import prefill_graph
+
+            if prefill_graph.usable(model):
+                self.prefill_graphs = prefill_graph.PrefillGraphs(
+                    model, cache, cache.spare_slot, cache.spare_block, greedy_head)
 
     def execute(self, plan: StepPlan, all_ids: dict[str, list[int]],
                 feed: Feed | None = None,
@@ -102,6 +109,10 @@ class ModelRunner:
                                    self.cache.block_table(c.request_id), snap_at,
                                    c.num_draft > 0))
             ids.extend(c.token_ids)
+        if (self.prefill_graphs is not None and len(chunks) == 1 and inject is None
+                and feed is None and not self.model.keep_hidden
+                and self.prefill_graphs.supports(chunks[0])):
+            return _step_logits(self.prefill_graphs.run(ids, chunks[0]), plan)
         device = self.model.device
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
         if batch.verify:

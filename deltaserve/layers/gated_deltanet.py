@@ -89,6 +89,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward_batch(self, x: torch.Tensor, batch: StepBatch, layer: int) -> torch.Tensor:
         """x [1,T,N] holding every chunk of the step; states live in batch.states' slots."""
+        if batch.graph_chunk is not None:
+            return self._graph_chunk(x, batch, layer)
         qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         conv_pool, state_pool = batch.states.conv[layer], batch.states.recurrent[layer]
         out = x.new_empty(x.shape[1], self.value_dim)
@@ -118,6 +120,26 @@ class GatedDeltaNet(nn.Module):
                 return self.out_proj(o)
             out[span] = o[0]
         return self.out_proj(out.unsqueeze(0))
+
+    def _graph_chunk(self, x: torch.Tensor, batch: StepBatch, layer: int) -> torch.Tensor:
+        """One sequence's chunk padded to a fixed length, every index on the device (a captured
+        prefill graph, engine/prefill_graph.py): the slot's state and window are gathered, scanned
+        and scattered back. Pad rows leave them as they were: their beta = sigmoid(-inf) = 0 and
+        decay exp(-A softplus(-inf)) = 1 add exactly nothing, and the new window is taken at the
+        real length, not at the padded end."""
+        chunk = batch.graph_chunk
+        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        pad = chunk.pad_rows()[None, :, None]  # [1,T,1] True past the real tokens
+        b, a = b.masked_fill(pad, float("-inf")), a.masked_fill(pad, float("-inf"))
+        conv_pool, state_pool = batch.states.conv[layer], batch.states.recurrent[layer]
+        window = conv_pool.index_select(0, chunk.slot)  # [1,C,W-1]
+        state = state_pool.index_select(0, chunk.slot)  # [1,HV,K,V], scanned in place
+        o, _ = self._scan(qkv, z, b, a, window, state, x.dtype)
+        full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv], dim=1)  # [1,W-1+T,C]
+        new_window = full[0].index_select(0, chunk.window_rows(window.shape[-1])).t()
+        conv_pool.index_copy_(0, chunk.slot, new_window[None].to(conv_pool.dtype))
+        state_pool.index_copy_(0, chunk.slot, state)
+        return self.out_proj(o)
 
     @staticmethod
     def _snapshot_keeper(batch: StepBatch, i: int, layer: int, window: torch.Tensor,

@@ -165,7 +165,10 @@ class Qwen3_5ForCausalLM(nn.Module):
                             torch.int64 if greedy else torch.float32)
         if self.keep_hidden:  # the MTP drafter reads every row's final-normed hidden (spec/mtp.py)
             self.last_hidden = h[0]
-        h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
+        if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
+            h = h[0].index_select(0, batch.graph_chunk.last_row())
+        else:
+            h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
         out = self._head(h, greedy)
         return out if pp is None else pp.share(out, tuple(out.shape), out.dtype)
 
@@ -176,8 +179,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         more of them than the plan's kernels take (no tensor or pipeline split), else None. Only
         within ops/norm.native_rows (the runner's decode-only steps): there the layered path runs
         the per-row kernels the plan runs, so both give the same bits."""
-        if batch.prefill or self.tp is not None or self.pp is not None \
-                or self.device.type != "cpu" or not norm_ops.all_rows_native() \
+        if batch.prefill or batch.graph_chunk is not None or self.tp is not None \
+                or self.pp is not None or self.device.type != "cpu" or not norm_ops.all_rows_native() \
                 or (batch.verify and batch.spec is None):  # verify rows need their record
             return None
         key = decode_step.pools_key(batch.states, batch.kv)

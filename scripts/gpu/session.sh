@@ -13,6 +13,7 @@
 #   bash scripts/gpu/session.sh profile # ttft_profile per source line, prefix TTFT, image TTFT
 #   bash scripts/gpu/session.sh final   # every gpu test, batch bench, prefill_syncs.py
 #   bash scripts/gpu/session.sh graphs  # tower graph tests, tower bench, image TTFT, prefill cProfile
+#   bash scripts/gpu/session.sh prefill # short-prefill graphs: tests, TTFT profile, prefix TTFT, image TTFT
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -123,5 +124,17 @@ graphs)  # issue 8: the tower's CUDA graphs; where a short prefill's host time g
     python3 scripts/gpu/ttft_profile.py --cprofile --out "$OUT/ttft-profile.json" \
         > "$OUT/ttft-profile.log" 2>&1
     grep -v -i warn "$OUT/ttft-profile.log" | grep -v "^ *{" | head -20 | cut -c1-200
+    ;;
+prefill)  # issues 5 and 8: short prefill chunks replayed from CUDA graphs
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/multimodal tests/models \
+        tests/cache --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -6
+    python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" > "$OUT/ttft-profile.log" 2>&1
+    grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
+    for i in 1 2; do python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
+shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
+print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft-$i.json" 2>&1 | quiet 2; done
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet 8
     ;;
 esac

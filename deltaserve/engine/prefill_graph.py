@@ -1,0 +1,133 @@
+"""Short prefill chunks replayed from CUDA graphs: a step that is one sequence's chunk of up to
+128 tokens (a question behind a cached prefix, a short prompt) is ~400 kernels for a few ms of GPU
+work, bound by Python's launch time when run eagerly.
+
+One graph per (token bucket, KV-width bucket). The chunk is padded to a power of two of rows; every
+index is on the device (layers see `StepBatch.graph_chunk`): the GDN layers gather the slot's conv
+window and state, scan, and scatter them back, with the padding rows' gates set so that they change
+nothing (beta 0, decay 1) and the new window taken at the real length; the attention rows attend as
+decode rows (paged decode attention over the block table, per-row lengths), the padding rows' K/V
+go to the spare block; the head reads the last real row. Chunks with prefix-snapshot positions,
+draft verification or image rows, quantized models and 32-bit activations run eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deltaserve.cache.batch import GraphChunk, SeqChunk, StepBatch
+
+TOKEN_BUCKETS = (16, 32, 64, 128)
+FIELDS = ("ids", "positions", "kv_blocks", "kv_rows", "lengths")  # [T] each, then slot, real_len
+
+
+def _bucket(n: int) -> int | None:
+    return next((b for b in TOKEN_BUCKETS if b >= n), None)
+
+
+def usable(model) -> bool:
+    """Graphs need the Triton scan and paged attention (16-bit activations, triton backend), no
+    scratch-buffer dequantization (dense weights) and one rank."""
+    from deltaserve.ops.backend import triton_enabled
+
+    if model.act_dtype not in (torch.bfloat16, torch.float16) or not triton_enabled():
+        return False
+    if getattr(model, "tp", None) is not None:  # tensor-parallel ranks step eagerly here
+        return False
+    return not any(getattr(m, "scheme", None) is not None for m in model.modules())
+
+
+class PrefillGraphs:
+    def __init__(self, model, cache, spare_slot: int, spare_block: int,
+                 greedy: bool = False) -> None:
+        self.model, self.cache, self.greedy = model, cache, greedy
+        self.spare_slot, self.spare_block = spare_slot, spare_block
+        # key -> (graph or None, static inputs, static output); without capture (CPU: tests of
+        # the padded step) the step runs eagerly on the same static inputs
+        self.capture = model.device.type == "cuda"
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.num_runs = 0
+
+    def supports(self, chunk: SeqChunk) -> bool:
+        return (2 <= chunk.num_tokens and _bucket(chunk.num_tokens) is not None
+                and not chunk.snapshot_at and not chunk.verify)
+
+    def host_inputs(self, ids: list[int], chunk: SeqChunk) -> tuple[tuple[int, int], np.ndarray]:
+        """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W])."""
+        num_rows, real = _bucket(chunk.num_tokens), chunk.num_tokens
+        block_len = self.cache.kv.block_len
+        width = 1 << max(2, (len(chunk.block_table) - 1).bit_length())  # as decode graphs
+        table = np.full(width, self.spare_block, dtype=np.int64)
+        table[: len(chunk.block_table)] = chunk.block_table
+        row = np.arange(num_rows, dtype=np.int64)
+        real_rows = row < real
+        # padding rows: the last real position (valid for rotary), K/V into the spare block
+        positions = chunk.start_pos + np.minimum(row, real - 1)
+        kv_blocks = np.where(real_rows, table[positions // block_len], self.spare_block)
+        token_ids = np.zeros(num_rows, dtype=np.int64)
+        token_ids[:real] = ids
+        packed = np.concatenate([
+            token_ids, positions, kv_blocks, positions % block_len, positions + 1,
+            [chunk.slot, real], np.broadcast_to(table, (num_rows, width)).reshape(-1),
+        ])
+        return (num_rows, width), packed
+
+    def run(self, ids: list[int], chunk: SeqChunk) -> torch.Tensor:
+        """Logits [1, vocab] fp32 of the chunk's last token, or its greedy token [1]."""
+        key, host = self.host_inputs(ids, chunk)
+        if key not in self.graphs:
+            self.graphs[key] = (self._capture(*key) if self.capture else
+                                (None, self.static_inputs(*key, self.model.device), None))
+        graph, static, out = self.graphs[key]
+        self.num_runs += 1
+        if graph is None:
+            static["packed"].copy_(torch.from_numpy(host))
+            return self.forward(static)
+        static["packed"].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        graph.replay()
+        return out.clone()  # the static buffer is the next replay's
+
+    def static_inputs(self, num_rows: int, width: int, device) -> dict[str, torch.Tensor]:
+        packed = torch.empty(len(FIELDS) * num_rows + 2 + num_rows * width, dtype=torch.long,
+                             device=device)
+        static = {name: packed[i * num_rows : (i + 1) * num_rows] for i, name in enumerate(FIELDS)}
+        at = len(FIELDS) * num_rows
+        static["slot"], static["real_len"] = packed[at : at + 1], packed[at + 1 : at + 2]
+        static["tables"] = packed[at + 2 :].view(num_rows, width)
+        static["packed"] = packed
+        return static
+
+    def batch(self, static: dict[str, torch.Tensor]) -> StepBatch:
+        """A StepBatch whose tensors are the graph's static inputs (one padded graph chunk)."""
+        num_rows = static["ids"].shape[0]
+        chunk = SeqChunk(self.spare_slot, 0, num_rows, (self.spare_block,))
+        batch = StepBatch([chunk], self.cache.states, self.cache.kv)
+        batch.offsets = [0]
+        batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]
+        batch.kv_rows = static["kv_rows"]
+        batch.decode_tables, batch.decode_lengths = static["tables"], static["lengths"]
+        batch.graph_chunk = GraphChunk(static["slot"], static["real_len"], num_rows)
+        return batch
+
+    def forward(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step on the static inputs, eagerly (what the graph captures; tests run it on CPU)."""
+        return self.model.forward_batch(static["ids"], self.batch(static), greedy=self.greedy)
+
+    def _capture(self, num_rows: int, width: int):
+        static = self.static_inputs(num_rows, width, self.model.device)
+        for name, value in (("ids", 0), ("positions", 0), ("kv_blocks", self.spare_block),
+                            ("kv_rows", 0), ("lengths", 1), ("slot", self.spare_slot),
+                            ("real_len", num_rows), ("tables", self.spare_block)):
+            static[name].fill_(value)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
+            for _ in range(2):
+                self.forward(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.forward(static)
+        return graph, static, out

@@ -1,0 +1,90 @@
+"""Short prefill chunks through the padded, device-indexed step a CUDA graph captures
+(engine/prefill_graph.py): run eagerly on the CPU here (the same code the graph records), against
+the ordinary prefill path, on fresh prompts and on the remainders of prefix-cache hits; on a GPU,
+the captured graph against the same step run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.prefill_graph import PrefillGraphs, _bucket
+from tests.engine.test_batching import capture, make_engine, prompts_of, rel, run_all
+
+
+def padded(engine) -> PrefillGraphs:
+    """The engine's runner takes single-chunk prefill steps through the padded step."""
+    runner, cache = engine.runner, engine.cache
+    runner.prefill_graphs = PrefillGraphs(runner.model, cache, cache.spare_slot,
+                                          cache.spare_block, runner.greedy_head)
+    return runner.prefill_graphs
+
+
+def test_short_prompts_match_the_prefill_path(tiny_llm) -> None:
+    """Fresh prompts of 2..63 tokens (one chunk, no snapshot position), one at a time: the padded
+    step gives the same greedy tokens and logits within 1e-5 (another GEMM row count, attention as
+    decode rows), and the decodes after it (which read the scattered state and conv window) too."""
+    plain, graph = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm, prefix_bytes=0)
+    graphs = padded(graph)
+    seen_plain, seen_graph = capture(plain), capture(graph)
+    for rid, ids in prompts_of([2, 3, 5, 17, 40, 63], seed=11).items():
+        assert run_all(graph, {rid: ids}) == run_all(plain, {rid: ids}), rid
+        assert rel(torch.stack(seen_graph[rid]), torch.stack(seen_plain[rid])) <= 1e-5, rid
+    assert graphs.num_runs == 6
+    assert {num_rows for num_rows, _ in graphs.graphs} == {16, 32, 64}
+
+
+def test_prefix_hit_remainders_match_a_miss(tiny_llm) -> None:
+    """Questions behind a cached prefix: the hit restores the state at 64 / 128 / 192 and runs the
+    remaining 3..40 tokens as one padded chunk; tokens equal the miss's, logits within 1e-5."""
+    base = prompts_of([200], seed=3)["r0"]
+    cold, warm = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm)
+    run_all(warm, {"seed": base})  # snapshots at 64, 128, 192
+    graphs = padded(warm)
+    seen_cold, seen_warm = capture(cold), capture(warm)
+    cases = {"q1": base[:128] + [5, 6, 7] * 10, "q2": base[:64] + [9] * 40, "q3": base[:192] + [4, 8, 15]}
+    for rid, ids in cases.items():
+        hits = warm.cache.prefix.hits
+        assert run_all(warm, {rid: ids}) == run_all(cold, {rid: ids}), rid
+        assert warm.cache.prefix.hits == hits + 1
+        assert rel(torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])) <= 1e-5, rid
+    assert graphs.num_runs == 3
+
+
+def test_what_takes_the_padded_step() -> None:
+    from deltaserve.cache.batch import SeqChunk
+
+    graphs = PrefillGraphs.__new__(PrefillGraphs)
+    assert graphs.supports(SeqChunk(0, 0, 40, (1,)))
+    assert graphs.supports(SeqChunk(0, 100, 128, (1, 2, 3)))
+    assert not graphs.supports(SeqChunk(0, 0, 1, (1,)))  # a decode
+    assert not graphs.supports(SeqChunk(0, 0, 129, (1,)))  # over the largest bucket
+    assert not graphs.supports(SeqChunk(0, 0, 100, (1,), snapshot_at=(64,)))  # snapshots: eager
+    assert not graphs.supports(SeqChunk(0, 0, 5, (1,), verify=True))  # drafts: eager
+    assert [_bucket(n) for n in (2, 16, 17, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
+
+
+@pytest.mark.gpu
+def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
+    """bf16 on CUDA: the engine captures graphs for short chunks; a replay gives the bits of the
+    same padded step run eagerly, and greedy tokens equal the eager engine's on these prompts."""
+    from deltaserve import LLM
+
+    llm = LLM(tiny_dir, dtype="bfloat16", device="cuda")
+    graph_engine, eager_engine = make_engine(llm, prefix_bytes=0), make_engine(llm, prefix_bytes=0)
+    graphs = graph_engine.runner.prefill_graphs
+    assert graphs is not None and graphs.capture
+    eager_engine.runner.prefill_graphs = None
+    seen_graph, seen_eager = capture(graph_engine), capture(eager_engine)
+    prompts = prompts_of([7, 30, 60], seed=4)
+    for rid, ids in prompts.items():
+        run_all(graph_engine, {rid: ids})
+        run_all(eager_engine, {rid: ids})
+        first_graph, first_eager = seen_graph[rid][0], seen_eager[rid][0]
+        assert rel(first_graph.float(), first_eager.float()) <= 2e-2, rid
+    assert graphs.num_runs == 3 and len(graphs.graphs) == 2  # buckets 16 and 32 / 64
+    # the replay itself: equal to the captured step on the same static inputs, run eagerly
+    key, (graph, static, out) = next(iter(graphs.graphs.items()))
+    graph.replay()
+    replayed = out.clone()
+    assert torch.equal(replayed, graphs.forward(static))
