@@ -7,8 +7,10 @@ index is on the device (layers see `StepBatch.graph_chunk`): the GDN layers gath
 window and state, scan, and scatter them back, with the padding rows' gates set so that they change
 nothing (beta 0, decay 1) and the new window taken at the real length; the attention rows attend as
 decode rows (paged decode attention over the block table, per-row lengths), the padding rows' K/V
-go to the spare block; the head reads the last real row. Chunks with prefix-snapshot positions,
-draft verification or image rows, quantized models and 32-bit activations run eagerly.
+go to the spare block; the head reads the last real row. A chunk with prefix-snapshot positions
+runs as pieces cut there (the snapshot = the slot's state after a piece). Image rows: the input
+embeddings are made eagerly (token embeddings, the tower's rows copied in) into a static buffer
+the graph reads. Draft verification, quantized models and 32-bit activations run eagerly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from deltaserve.cache.batch import GraphChunk, SeqChunk, StepBatch
 
 TOKEN_BUCKETS = (16, 32, 64, 128)
+MAX_PIECES = 4  # a chunk cut at its prefix-snapshot positions replays at most this many graphs
 FIELDS = ("ids", "positions", "kv_blocks", "kv_rows", "lengths")  # [T] each, then slot, real_len
 
 
@@ -50,11 +53,28 @@ class PrefillGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_runs = 0
 
-    def supports(self, chunk: SeqChunk) -> bool:
-        return (2 <= chunk.num_tokens and _bucket(chunk.num_tokens) is not None
-                and not chunk.snapshot_at and not chunk.verify)
+    def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
+        """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
+        the slot's state after a piece, `slot_snapshot`), every piece at most the largest bucket;
+        None when it runs eagerly (drafts, a 1-token chunk, too long, too many pieces)."""
+        if chunk.verify or chunk.num_tokens < 2:
+            return None
+        cuts = sorted({chunk.start_pos, *chunk.snapshot_at, chunk.end_pos})
+        if len(cuts) - 1 > MAX_PIECES:
+            return None
+        pieces = [SeqChunk(chunk.slot, lo, hi - lo, chunk.block_table)
+                  for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+        return pieces if all(_bucket(p.num_tokens) for p in pieces) else None
 
-    def host_inputs(self, ids: list[int], chunk: SeqChunk) -> tuple[tuple[int, int], np.ndarray]:
+    def slot_snapshot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """layer -> (conv window [C,W-1], state [HV,K,V]) of the slot now: what the GDN layers'
+        snapshot keeper stores at a position inside an eager chunk."""
+        states = self.cache.states
+        return {layer: (conv[slot].clone(), states.recurrent[layer][slot].clone())
+                for layer, conv in enumerate(states.conv) if conv is not None}
+
+    def host_inputs(self, ids: list[int], chunk: SeqChunk, images: bool = False
+                    ) -> tuple[tuple[int, int, bool], np.ndarray]:
         """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W])."""
         num_rows, real = _bucket(chunk.num_tokens), chunk.num_tokens
         block_len = self.cache.kv.block_len
@@ -72,24 +92,32 @@ class PrefillGraphs:
             token_ids, positions, kv_blocks, positions % block_len, positions + 1,
             [chunk.slot, real], np.broadcast_to(table, (num_rows, width)).reshape(-1),
         ])
-        return (num_rows, width), packed
+        return (num_rows, width, images), packed
 
-    def run(self, ids: list[int], chunk: SeqChunk) -> torch.Tensor:
-        """Logits [1, vocab] fp32 of the chunk's last token, or its greedy token [1]."""
-        key, host = self.host_inputs(ids, chunk)
+    def run(self, ids: list[int], chunk: SeqChunk,
+            inject: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [1, vocab] fp32 of the chunk's last token, or its greedy token [1]. inject: (rows
+        of the chunk [R] int64 on the device, their input embeddings [R,N]) for image rows."""
+        key, host = self.host_inputs(ids, chunk, inject is not None)
         if key not in self.graphs:
             self.graphs[key] = (self._capture(*key) if self.capture else
                                 (None, self.static_inputs(*key, self.model.device), None))
         graph, static, out = self.graphs[key]
         self.num_runs += 1
+        host_t = torch.from_numpy(host)
+        static["packed"].copy_(host_t.pin_memory() if graph is not None else host_t,
+                               non_blocking=graph is not None)
+        if inject is not None:  # every row's input embedding, image rows from the tower
+            x = self.model._embed(static["ids"][None])[0]
+            x.index_copy_(0, inject[0], inject[1].to(x.dtype))
+            static["embeds"].copy_(x)
         if graph is None:
-            static["packed"].copy_(torch.from_numpy(host))
             return self.forward(static)
-        static["packed"].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         graph.replay()
         return out.clone()  # the static buffer is the next replay's
 
-    def static_inputs(self, num_rows: int, width: int, device) -> dict[str, torch.Tensor]:
+    def static_inputs(self, num_rows: int, width: int, images: bool, device
+                      ) -> dict[str, torch.Tensor]:
         packed = torch.empty(len(FIELDS) * num_rows + 2 + num_rows * width, dtype=torch.long,
                              device=device)
         static = {name: packed[i * num_rows : (i + 1) * num_rows] for i, name in enumerate(FIELDS)}
@@ -97,6 +125,10 @@ class PrefillGraphs:
         static["slot"], static["real_len"] = packed[at : at + 1], packed[at + 1 : at + 2]
         static["tables"] = packed[at + 2 :].view(num_rows, width)
         static["packed"] = packed
+        if images:  # the step's input embeddings replace every row's (Injection of all rows)
+            static["all_rows"] = torch.arange(num_rows, device=device)
+            static["embeds"] = torch.zeros(num_rows, self.model.cfg.hidden_size,
+                                           dtype=self.model.act_dtype, device=device)
         return static
 
     def batch(self, static: dict[str, torch.Tensor]) -> StepBatch:
@@ -113,10 +145,12 @@ class PrefillGraphs:
 
     def forward(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step on the static inputs, eagerly (what the graph captures; tests run it on CPU)."""
-        return self.model.forward_batch(static["ids"], self.batch(static), greedy=self.greedy)
+        inject = (static["all_rows"], static["embeds"]) if "embeds" in static else None
+        return self.model.forward_batch(static["ids"], self.batch(static), greedy=self.greedy,
+                                        inject=inject)
 
-    def _capture(self, num_rows: int, width: int):
-        static = self.static_inputs(num_rows, width, self.model.device)
+    def _capture(self, num_rows: int, width: int, images: bool):
+        static = self.static_inputs(num_rows, width, images, self.model.device)
         for name, value in (("ids", 0), ("positions", 0), ("kv_blocks", self.spare_block),
                             ("kv_rows", 0), ("lengths", 1), ("slot", self.spare_slot),
                             ("real_len", num_rows), ("tables", self.spare_block)):

@@ -109,10 +109,12 @@ class ModelRunner:
                                    self.cache.block_table(c.request_id), snap_at,
                                    c.num_draft > 0))
             ids.extend(c.token_ids)
-        if (self.prefill_graphs is not None and len(chunks) == 1 and inject is None
-                and feed is None and not self.model.keep_hidden
-                and self.prefill_graphs.supports(chunks[0])):
-            return _step_logits(self.prefill_graphs.run(ids, chunks[0]), plan)
+        if (self.prefill_graphs is not None and len(chunks) == 1 and feed is None
+                and not self.model.keep_hidden):
+            pieces = self.prefill_graphs.pieces(chunks[0])
+            if pieces is not None:
+                image = (images or {}).get(plan.chunks[0].request_id)
+                return self._graph_prefill(plan, chunks[0], pieces, ids, all_ids, image)
         device = self.model.device
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
         if batch.verify:
@@ -134,6 +136,34 @@ class ModelRunner:
             if rid not in out.failed:  # a state that produced NaN/inf is never shared
                 self.cache.store_snapshots(rid, all_ids[rid], snaps)
         return out
+
+    def _graph_prefill(self, plan: StepPlan, chunk: SeqChunk, pieces: list[SeqChunk],
+                       ids: list[int], all_ids: dict[str, list[int]],
+                       image: ImageInputs | None) -> StepLogits:
+        """One sequence's chunk as captured prefill graphs, piece by piece; the prefix snapshot at
+        the end of a piece is the slot's state there."""
+        graphs, snaps, out = self.prefill_graphs, {}, None
+        for piece in pieces:
+            lo = piece.start_pos - chunk.start_pos
+            inject = _piece_injection(image, piece, self.model.device) if image else None
+            out = graphs.run(ids[lo : lo + piece.num_tokens], piece, inject)
+            if piece.end_pos in chunk.snapshot_at:
+                snaps[piece.end_pos] = graphs.slot_snapshot(chunk.slot)
+        logits = _step_logits(out, plan)
+        rid = plan.chunks[0].request_id
+        if snaps and rid not in logits.failed:  # a state that produced NaN/inf is never shared
+            self.cache.store_snapshots(rid, all_ids[rid], snaps)
+        return logits
+
+
+def _piece_injection(image: ImageInputs, piece: SeqChunk, device: torch.device):
+    """(rows of the piece [R], embeddings [R,N]) of the image placeholders it covers, or None."""
+    lo = bisect.bisect_left(image.positions, piece.start_pos)
+    hi = bisect.bisect_left(image.positions, piece.end_pos)
+    if hi == lo:
+        return None
+    rows = np.asarray(image.positions[lo:hi], dtype=np.int64) - piece.start_pos
+    return host_to_device(rows, device), image.embeds[lo:hi]
 
 
 def _injection(plan: StepPlan, images: Mapping[str, ImageInputs], device: torch.device):

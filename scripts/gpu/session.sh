@@ -127,7 +127,7 @@ graphs)  # issue 8: the tower's CUDA graphs; where a short prefill's host time g
     ;;
 prefill)  # issues 5 and 8: short prefill chunks replayed from CUDA graphs
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/multimodal tests/models \
-        tests/cache --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -6
+        tests/cache tests/spec --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -6
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" > "$OUT/ttft-profile.log" 2>&1
     grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
     for i in 1 2; do python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
@@ -136,5 +136,8 @@ print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-
     ckpt minicpm-v-4.6 /tmp/mcv
     python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
         --out "$OUT/vision-ttft.json" 2>&1 | quiet 8
+    [ -n "${BENCH:-}" ] && python3 -m deltaserve bench --model /tmp/q08 --device cuda \
+        --decode-tokens 128 --prefill-lens 2048,8192 --formats bf16 --peer none \
+        --out "$OUT/bench-cuda.json" 2>&1 | quiet 12
     ;;
 esac

@@ -31,7 +31,7 @@ def test_short_prompts_match_the_prefill_path(tiny_llm) -> None:
         assert run_all(graph, {rid: ids}) == run_all(plain, {rid: ids}), rid
         assert rel(torch.stack(seen_graph[rid]), torch.stack(seen_plain[rid])) <= 1e-5, rid
     assert graphs.num_runs == 6
-    assert {num_rows for num_rows, _ in graphs.graphs} == {16, 32, 64}
+    assert {key[0] for key in graphs.graphs} == {16, 32, 64}
 
 
 def test_prefix_hit_remainders_match_a_miss(tiny_llm) -> None:
@@ -55,13 +55,35 @@ def test_what_takes_the_padded_step() -> None:
     from deltaserve.cache.batch import SeqChunk
 
     graphs = PrefillGraphs.__new__(PrefillGraphs)
-    assert graphs.supports(SeqChunk(0, 0, 40, (1,)))
-    assert graphs.supports(SeqChunk(0, 100, 128, (1, 2, 3)))
-    assert not graphs.supports(SeqChunk(0, 0, 1, (1,)))  # a decode
-    assert not graphs.supports(SeqChunk(0, 0, 129, (1,)))  # over the largest bucket
-    assert not graphs.supports(SeqChunk(0, 0, 100, (1,), snapshot_at=(64,)))  # snapshots: eager
-    assert not graphs.supports(SeqChunk(0, 0, 5, (1,), verify=True))  # drafts: eager
-    assert [_bucket(n) for n in (2, 16, 17, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
+    table = (1, 2, 3, 4)
+    assert graphs.pieces(SeqChunk(0, 0, 40, table)) == [SeqChunk(0, 0, 40, table)]
+    assert graphs.pieces(SeqChunk(0, 100, 128, table)) == [SeqChunk(0, 100, 128, table)]
+    # cut at the snapshot positions (the last one may be the chunk's end)
+    assert graphs.pieces(SeqChunk(0, 0, 100, table, snapshot_at=(64,))) == [
+        SeqChunk(0, 0, 64, table), SeqChunk(0, 64, 36, table)]
+    assert graphs.pieces(SeqChunk(0, 63, 65, table, snapshot_at=(64, 128))) == [
+        SeqChunk(0, 63, 1, table), SeqChunk(0, 64, 64, table)]
+    assert graphs.pieces(SeqChunk(0, 0, 1, table)) is None  # a decode
+    assert graphs.pieces(SeqChunk(0, 0, 129, table)) is None  # over the largest bucket
+    assert graphs.pieces(SeqChunk(0, 0, 320, table, snapshot_at=(64, 128, 192, 256))) is None
+    assert graphs.pieces(SeqChunk(0, 0, 5, table, verify=True)) is None  # drafts: eager
+    assert [_bucket(n) for n in (1, 16, 17, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
+
+
+def test_snapshot_positions_inside_a_chunk(tiny_llm) -> None:
+    """Prompts whose chunk crosses the 64-token snapshot grid run as pieces cut there; the
+    snapshots they store are the slot's state after each cut: a later hit on them gives the
+    tokens and logits (within 1e-5) of a run without the cache."""
+    base = prompts_of([120], seed=8)["r0"]
+    cold, warm = make_engine(tiny_llm, prefix_bytes=0, budget=128), make_engine(tiny_llm, budget=128)
+    graphs = padded(warm)
+    seen_cold, seen_warm = capture(cold), capture(warm)
+    cases = {"first": base[:100], "again": base[:64] + [3] * 20, "longer": base + [5, 6]}
+    for rid, ids in cases.items():
+        assert run_all(warm, {rid: ids}) == run_all(cold, {rid: ids}), rid
+        assert rel(torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])) <= 1e-5, rid
+    assert warm.cache.prefix.hits == 2  # "again" and "longer" resumed at 64
+    assert graphs.num_runs == 2 + 1 + 1  # [0,64) + [64,100); then [64,84); then [64,122)
 
 
 @pytest.mark.gpu
@@ -82,9 +104,20 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
         run_all(eager_engine, {rid: ids})
         first_graph, first_eager = seen_graph[rid][0], seen_eager[rid][0]
         assert rel(first_graph.float(), first_eager.float()) <= 2e-2, rid
-    assert graphs.num_runs == 3 and len(graphs.graphs) == 2  # buckets 16 and 32 / 64
-    # the replay itself: equal to the captured step on the same static inputs, run eagerly
-    key, (graph, static, out) = next(iter(graphs.graphs.items()))
-    graph.replay()
-    replayed = out.clone()
-    assert torch.equal(replayed, graphs.forward(static))
+    assert graphs.num_runs == 3 and {k[0] for k in graphs.graphs} == {16, 32, 64}
+    # a replay equals the captured step run eagerly on the same static inputs, from the same state
+    # (the spare slot, zeroed before each)
+    states, spare = graph_engine.cache.states, graph_engine.cache.spare_slot
+
+    def reset() -> None:
+        for pool in (*states.conv, *states.recurrent):
+            if pool is not None:
+                pool[spare].zero_()
+
+    for graph, static, out in graphs.graphs.values():
+        static["slot"].fill_(spare)
+        reset()
+        graph.replay()
+        replayed = out.clone()
+        reset()
+        assert torch.equal(replayed, graphs.forward(static))

@@ -118,6 +118,31 @@ def test_two_images_and_a_follow_up_turn(llm, reference) -> None:
     assert follow.outputs[0].token_ids == expected
 
 
+def test_image_prompts_through_padded_prefill_steps(minicpm_dir, reference) -> None:
+    """The padded prefill step a CUDA graph captures (engine/prefill_graph.py), run eagerly here:
+    image rows injected into its static input, chunks cut at snapshot positions, greedy tokens
+    equal to transformers' for an image question and a follow-up turn."""
+    from deltaserve import LLM
+    from deltaserve.engine.prefill_graph import PrefillGraphs
+
+    llm = LLM(minicpm_dir, dtype="float32", max_num_batched_tokens=64)
+    runner, cache = llm.engine.runner, llm.engine.cache
+    graphs = runner.prefill_graphs = PrefillGraphs(runner.model, cache, cache.spare_slot,
+                                                   cache.spare_block, runner.greedy_head)
+    image = picture(300, 500, seed=2)
+    content = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
+    first = llm.generate(chat(llm, content), GREEDY)[0]
+    expected, _ = reference_greedy(reference, first.prompt_token_ids, [image], 10)
+    assert first.outputs[0].token_ids == expected
+    assert any(key[2] for key in graphs.graphs)  # a step with image rows took the padded step
+    history = [{"role": "user", "content": content},
+               {"role": "assistant", "content": first.outputs[0].text}]
+    follow = llm.generate(chat(llm, "Why?", history), GREEDY)[0]
+    expected, _ = reference_greedy(reference, follow.prompt_token_ids, [image], 10)
+    assert follow.outputs[0].token_ids == expected
+    assert graphs.num_runs >= 3
+
+
 def test_4x_mode_matches_transformers(llm, reference) -> None:
     image = picture(300, 400, seed=4)
     prompt = chat(llm, [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}])
