@@ -86,7 +86,8 @@ def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:
 def image_key(image: ProcessedImage) -> int:
     """A negative int naming the image's content as the tower sees it (pixels, pieces, mode)."""
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(image.pixel_values.numpy().tobytes())
+    # the processor's digest of the uint8 pixels the float ones are made from, else those
+    digest.update(image.content_digest or image.pixel_values.numpy().tobytes())
     digest.update(repr((image.grid_hw, image.slice_grid, image.mode)).encode())
     return -1 - (int.from_bytes(digest.digest(), "little") >> 2)
 

@@ -10,6 +10,7 @@ Sizes named `*_px` are pixels; grids `(h, w)` are in 14-pixel patches; pairs are
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class ProcessedImage:
     slice_grid: tuple[int, int] | None  # (rows, cols) of slices; None = overview only
     num_tokens: tuple[int, ...]  # language-model tokens per piece
     mode: str  # downsample mode the sizes were rounded for ("16x" or "4x")
+    # blake2b of the resized uint8 pixels the pieces come from (b"": hash pixel_values instead)
+    content_digest: bytes = b""
 
     @property
     def total_tokens(self) -> int:
@@ -124,12 +127,17 @@ def get_refine_size(
     return cell_h_px * num_rows, cell_w_px * num_cols
 
 
-def _resized_pixels(rgb: Image.Image, size_px: tuple[int, int]) -> np.ndarray:
+def _resized_pixels(rgb: Image.Image, size_px: tuple[int, int], digest=None) -> np.ndarray:
     """[3, h, w] float32 in [-1, 1]: bicubic on uint8, then float64 * 1/255 -> float32 and
-    (x - 0.5) / 0.5 in float32, the reference's exact dtypes (so results match bit for bit)."""
+    (x - 0.5) / 0.5 in float32, the reference's exact dtypes (so results match bit for bit).
+    digest (hashlib): fed the uint8 pixels, which the float ones are a function of (4x fewer
+    bytes to hash than the result)."""
     height_px, width_px = size_px
-    resized = rgb.resize((width_px, height_px), Image.Resampling.BICUBIC)
-    scaled = (np.asarray(resized).astype(np.float64) * _RESCALE).astype(np.float32)
+    resized = np.asarray(rgb.resize((width_px, height_px), Image.Resampling.BICUBIC))
+    if digest is not None:
+        digest.update(repr(resized.shape).encode())
+        digest.update(np.ascontiguousarray(resized).data)
+    scaled = (resized.astype(np.float64) * _RESCALE).astype(np.float32)
     return ((scaled - _MEAN) / _STD).transpose(2, 0, 1)
 
 
@@ -205,9 +213,10 @@ def process_image(
         size_px, mode, max_slice_nums, scale_resolution, slice_mode
     )
     rgb = to_rgb(img)
-    pieces = [_resized_pixels(rgb, overview_px)]
+    digest = hashlib.blake2b(digest_size=16)
+    pieces = [_resized_pixels(rgb, overview_px, digest)]
     if slice_grid is not None and refine_px is not None:
-        refined = _resized_pixels(rgb, refine_px)
+        refined = _resized_pixels(rgb, refine_px, digest)
         num_rows, num_cols = slice_grid
         cell_h_px, cell_w_px = refine_px[0] // num_rows, refine_px[1] // num_cols
         for row in range(num_rows):
@@ -223,6 +232,7 @@ def process_image(
         slice_grid=slice_grid,
         num_tokens=tuple(num_piece_tokens(h, w, mode) for h, w in grid_hw),
         mode=mode,
+        content_digest=digest.digest(),
     )
 
 
