@@ -14,6 +14,7 @@
 #   bash scripts/gpu/session.sh final   # every gpu test, batch bench, prefill_syncs.py
 #   bash scripts/gpu/session.sh graphs  # tower graph tests, tower bench, image TTFT, prefill cProfile
 #   bash scripts/gpu/session.sh prefill # short-prefill graphs: tests, TTFT profile, prefix TTFT, image TTFT
+#   bash scripts/gpu/session.sh confirm # the same, shorter, printing the graph-vs-eager errors
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -139,5 +140,17 @@ print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-
     [ -n "${BENCH:-}" ] && python3 -m deltaserve bench --model /tmp/q08 --device cuda \
         --decode-tokens 128 --prefill-lens 2048,8192 --formats bf16 --peer none \
         --out "$OUT/bench-cuda.json" 2>&1 | quiet 12
+    ;;
+confirm)  # issues 5 and 8, last look: graph tests (with their errors), TTFTs
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine tests/multimodal tests/models \
+        tests/cache tests/spec --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "rel|passed|failed|Error" | tail -20
+    python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" > "$OUT/ttft-profile.log" 2>&1
+    grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
+    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
+shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
+print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet 8
     ;;
 esac

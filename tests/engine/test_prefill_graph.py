@@ -102,8 +102,11 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
     for rid, ids in prompts.items():
         run_all(graph_engine, {rid: ids})
         run_all(eager_engine, {rid: ids})
-        first_graph, first_eager = seen_graph[rid][0], seen_eager[rid][0]
-        assert rel(first_graph.float(), first_eager.float()) <= 2e-2, rid
+        steps = min(len(seen_graph[rid]), len(seen_eager[rid]))
+        errs = [rel(seen_graph[rid][i].float(), seen_eager[rid][i].float()) for i in range(steps)]
+        print(f"{rid} ({len(ids)} tokens): graph vs eager logits rel per step "
+              f"{' '.join(f'{e:.1e}' for e in errs)}")
+        assert errs[0] <= 2e-2, rid  # the prefill step itself (later steps follow its tokens)
     assert graphs.num_runs == 3 and {k[0] for k in graphs.graphs} == {16, 32, 64}
     # a replay equals the captured step run eagerly on the same static inputs, from the same state
     # (the spare slot, zeroed before each)
