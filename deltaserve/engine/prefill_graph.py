@@ -32,9 +32,12 @@ def _bucket(n: int) -> int | None:
 def usable(model) -> bool:
     """Graphs need the Triton scan and paged attention (16-bit activations, triton backend), no
     scratch-buffer dequantization (dense weights) and one rank."""
+    from deltaserve.env import env
     from deltaserve.ops.backend import triton_enabled
 
     if model.act_dtype not in (torch.bfloat16, torch.float16) or not triton_enabled():
+        return False
+    if env().reference_ops:  # the torch references run instead of the kernels named above
         return False
     if getattr(model, "tp", None) is not None:  # tensor-parallel ranks step eagerly here
         return False
@@ -78,6 +81,8 @@ class PrefillGraphs:
         """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W])."""
         num_rows, real = _bucket(chunk.num_tokens), chunk.num_tokens
         block_len = self.cache.kv.block_len
+        if len(chunk.block_table) * block_len < chunk.end_pos:  # as StepBatch.build refuses
+            raise ValueError(f"chunk has too few KV blocks: {chunk}")
         width = 1 << max(2, (len(chunk.block_table) - 1).bit_length())  # as decode graphs
         table = np.full(width, self.spare_block, dtype=np.int64)
         table[: len(chunk.block_table)] = chunk.block_table

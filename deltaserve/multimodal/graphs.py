@@ -14,9 +14,10 @@ from collections import OrderedDict
 
 import torch
 
-from deltaserve.multimodal.positions import memo_tensors
+from deltaserve.multimodal.positions import recording_indices
 
 MAX_GRAPHS = 8
+MAX_SEEN = 1024  # grids remembered as seen once (then forgotten all at once)
 _Key = tuple[tuple[tuple[int, int], ...], str, torch.dtype]
 
 
@@ -37,12 +38,14 @@ class TowerGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self.seen:
+                if len(self.seen) >= MAX_SEEN:
+                    self.seen.clear()
                 self.seen.add(key)
                 return self.model._run(pixels, grids, mode, None)
             entry = self._capture(pixels, grids, mode)
             self.graphs[key] = entry
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            while len(self.graphs) > MAX_GRAPHS:  # an evicted grid needs two sightings again
+                self.seen.discard(self.graphs.popitem(last=False)[0])
         self.graphs.move_to_end(key)
         graph, static_in, static_out, _ = entry
         static_in.copy_(pixels)
@@ -57,8 +60,8 @@ class TowerGraphs:
             self.model._run(static_in, grids, mode, None)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with recording_indices() as indices, torch.cuda.graph(graph, pool=self.pool):
             static_out = self.model._run(static_in, grids, mode, None)
         self.num_captures += 1
-        # the graph reads the memo's index tensors by address: hold them even if the memo drops
-        return graph, static_in, static_out, memo_tensors()
+        # the graph reads those index tensors by address: it holds them, whatever the memo drops
+        return graph, static_in, static_out, indices

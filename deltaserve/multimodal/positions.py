@@ -7,7 +7,9 @@ are computed with the very operators transformers uses, never with exact fractio
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -41,29 +43,44 @@ def position_ids(grid_hw: list[tuple[int, int]], num_patches_per_side: int) -> t
     )
 
 
-_INDEX_MEMO: dict[tuple, torch.Tensor] = {}
+_INDEX_MEMO: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MEMO_LOCK = threading.Lock()
-MAX_MEMO_ENTRIES = 64  # distinct (kind, grids, device) index tensors kept; beyond, the memo restarts
+MAX_MEMO_ENTRIES = 64  # distinct (kind, grids, device) index tensors kept, least recently used out
+_recording = threading.local()  # .used: the list recording_indices() fills, if any
 
 
 def device_index(kind: object, grid_hw: list[tuple[int, int]], device: torch.device, build
                  ) -> torch.Tensor:
     """build() (a host index tensor for these grids) on `device`, made once per (kind, grids,
     device): no host-to-device copy per call, so the tower can be captured in a CUDA graph
-    (multimodal/graphs.py). Callers must not write into the result."""
+    (multimodal/graphs.py, which warms the memo up first). Callers must not write into it."""
     key = (kind, tuple(grid_hw), str(device))
     with _MEMO_LOCK:
         found = _INDEX_MEMO.get(key)
+        if found is not None:
+            _INDEX_MEMO.move_to_end(key)
     if found is None:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"index {key[:2]} missing while a CUDA graph is captured (a "
+                               "host-to-device copy cannot be captured): warm the memo up first")
         found = build().to(device)
         with _MEMO_LOCK:
-            if len(_INDEX_MEMO) >= MAX_MEMO_ENTRIES:
-                _INDEX_MEMO.clear()
             _INDEX_MEMO[key] = found
+            while len(_INDEX_MEMO) > MAX_MEMO_ENTRIES:
+                _INDEX_MEMO.popitem(last=False)
+    used = getattr(_recording, "used", None)
+    if used is not None:
+        used.append(found)
     return found
 
 
-def memo_tensors() -> list[torch.Tensor]:
-    """Every index tensor the memo holds now (a captured graph keeps them alive)."""
-    with _MEMO_LOCK:
-        return list(_INDEX_MEMO.values())
+@contextlib.contextmanager
+def recording_indices():
+    """Collects every tensor device_index hands out in this thread meanwhile (a captured graph
+    reads them by address and keeps them alive, whatever the memo drops later)."""
+    used: list[torch.Tensor] = []
+    _recording.used = used
+    try:
+        yield used
+    finally:
+        _recording.used = None

@@ -5,6 +5,10 @@ the output to bf16 (and has no fp32-output kernel on CPU). The split keeps fp32 
 lo as two bf16 parts (16 significant bits), W as one bf16 part when its values are bf16 (MiniCPM-V's
 vision weights ship as bf16) or hi + lo otherwise; every bf16 product is exact in fp32 and AMX sums
 in fp32. Relative error ~1e-6 (fp32 GEMM: ~2e-7); `gemm_amx_ref` is the math in torch.
+Non-finite inputs differ from F.linear where W has a lo part: inf * 0 in the xh.Wl product gives
+NaN where F.linear gives inf, and |x| within half a bf16 step of fp32's maximum rounds to inf.
+Activations of a working model are far from either (bf16-valued weights have no lo part).
+With a lo part the packed tiles are W's size in bytes again, next to W.
 
 Shapes: M rows, K input width, N output width; packed weights [Np/16, Kp/32, 16, 32] bf16 with
 Np, Kp rounded up to 32 (one 16 x 32 AMX B tile per [16, 32] block).

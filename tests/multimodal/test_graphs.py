@@ -14,23 +14,26 @@ from deltaserve.multimodal.trace import random_pixels
 
 def test_device_index_memo_returns_the_built_tensor_once(monkeypatch):
     calls = []
+    cpu = torch.device("cpu")
 
     def build():
         calls.append(1)
         return block_order([(4, 6)], 2, 2)
 
-    first = positions.device_index("test-order", [(4, 6)], torch.device("cpu"), build)
-    again = positions.device_index("test-order", [(4, 6)], torch.device("cpu"), build)
+    first = positions.device_index("test-order", [(4, 6)], cpu, build)
+    again = positions.device_index("test-order", [(4, 6)], cpu, build)
     assert again is first and len(calls) == 1 and torch.equal(first, block_order([(4, 6)], 2, 2))
-    other = positions.device_index("test-order", [(6, 4)], torch.device("cpu"),
-                                   lambda: block_order([(6, 4)], 2, 2))
+    other = positions.device_index("test-order", [(6, 4)], cpu, lambda: block_order([(6, 4)], 2, 2))
     assert not torch.equal(other, first)
-    monkeypatch.setattr(positions, "MAX_MEMO_ENTRIES", 1)  # a full memo restarts, still correct
-    positions.device_index("test-order", [(2, 2)], torch.device("cpu"),
-                           lambda: block_order([(2, 2)], 2, 2))
-    again = positions.device_index("test-order", [(4, 6)], torch.device("cpu"), build)
-    assert torch.equal(again, first) and len(calls) == 2
-    assert any(t is again for t in positions.memo_tensors())
+    # least recently used out: with room for 2, touching (4, 6) keeps it and evicts (6, 4)
+    monkeypatch.setattr(positions, "MAX_MEMO_ENTRIES", 2)
+    positions.device_index("test-order", [(4, 6)], cpu, build)
+    with positions.recording_indices() as used:
+        positions.device_index("test-order", [(2, 2)], cpu, lambda: block_order([(2, 2)], 2, 2))
+        assert positions.device_index("test-order", [(4, 6)], cpu, build) is first
+    assert len(calls) == 1 and len(used) == 2 and used[1] is first  # what a capture holds
+    rebuilt = positions.device_index("test-order", [(6, 4)], cpu, lambda: block_order([(6, 4)], 2, 2))
+    assert rebuilt is not other and torch.equal(rebuilt, other)
 
 
 @pytest.mark.gpu
