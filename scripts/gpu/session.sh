@@ -30,6 +30,16 @@ nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,clocks.mem --format=csv,no
 ckpt() { [ -d "$2" ] || python3 -m deltaserve make-checkpoint --preset "$1" --seed 0 "$2" > /dev/null; }
 [ "${1:-check}" = vision ] || ckpt qwen3.5-0.8b /tmp/q08
 quiet() { grep -v -i "warn" | tail -"$1"; }
+prefix_ttft() {  # issue 5: the 4k shared-prefix TTFT, miss vs hit, into $OUT/$1.json
+    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
+shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
+print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/$1.json" 2>&1 | quiet 2
+}
+image_ttft() {  # issue 8: an image question's TTFT through serve, with the in-process stages
+    ckpt minicpm-v-4.6 /tmp/mcv
+    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
+        --out "$OUT/vision-ttft.json" 2>&1 | quiet "$1"
+}
 case "${1:-check}" in
 check)
     python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
@@ -77,12 +87,8 @@ ttft)
     python3 scripts/gpu/scan_tune.py --lens 40,128,256,4096 \
         --out "$OUT/scan-tune.json" 2>&1 | quiet 30
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v "^    {" | quiet 6
-    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
-shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
-print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
-    ckpt minicpm-v-4.6 /tmp/mcv
-    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
-        --out "$OUT/vision-ttft.json" 2>&1 | quiet 12
+    prefix_ttft prefix-ttft
+    image_ttft 12
     ;;
 qgemm)  # issue 6: the int8 decode-batch GEMM (tests, sweep vs cuBLAS), then the batched engine
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemm.py tests/quant \
@@ -107,21 +113,15 @@ profile)  # issues 5 and 8: where a short prefill's host time goes, per source l
     python3 scripts/gpu/ttft_profile.py --stacks --out "$OUT/ttft-profile.json" \
         > "$OUT/ttft-profile.log" 2>&1
     grep -v "^ *{" "$OUT/ttft-profile.log" | grep -v -i warn | head -100 | cut -c1-200
-    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
-shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
-print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
-    ckpt minicpm-v-4.6 /tmp/mcv
-    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
-        --out "$OUT/vision-ttft.json" 2>&1 | quiet 12
+    prefix_ttft prefix-ttft
+    image_ttft 12
     ;;
 graphs)  # issue 8: the tower's CUDA graphs; where a short prefill's host time goes (cProfile)
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/multimodal tests/engine/test_cuda_graphs.py \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -4
     python3 -m deltaserve.bench.vision --device cuda --dtype bfloat16 --repeats 20 \
         --out "$OUT/vision-tower.json" 2>&1 | quiet 4
-    ckpt minicpm-v-4.6 /tmp/mcv
-    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
-        --out "$OUT/vision-ttft.json" 2>&1 | quiet 14
+    image_ttft 14
     python3 scripts/gpu/ttft_profile.py --cprofile --out "$OUT/ttft-profile.json" \
         > "$OUT/ttft-profile.log" 2>&1
     grep -v -i warn "$OUT/ttft-profile.log" | grep -v "^ *{" | head -20 | cut -c1-200
@@ -131,12 +131,8 @@ prefill)  # issues 5 and 8: short prefill chunks replayed from CUDA graphs
         tests/cache tests/spec --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -6
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" > "$OUT/ttft-profile.log" 2>&1
     grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
-    for i in 1 2; do python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
-shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
-print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft-$i.json" 2>&1 | quiet 2; done
-    ckpt minicpm-v-4.6 /tmp/mcv
-    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
-        --out "$OUT/vision-ttft.json" 2>&1 | quiet 8
+    prefix_ttft prefix-ttft-1; prefix_ttft prefix-ttft-2
+    image_ttft 8
     [ -n "${BENCH:-}" ] && python3 -m deltaserve bench --model /tmp/q08 --device cuda \
         --decode-tokens 128 --prefill-lens 2048,8192 --formats bf16 --peer none \
         --out "$OUT/bench-cuda.json" 2>&1 | quiet 12
@@ -146,11 +142,7 @@ confirm)  # issues 5 and 8, last look: graph tests (with their errors), TTFTs
         tests/cache tests/spec --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "rel|passed|failed|Error" | tail -20
     python3 scripts/gpu/ttft_profile.py --out "$OUT/ttft-profile.json" > "$OUT/ttft-profile.log" 2>&1
     grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
-    python3 -c "import json, sys; from pathlib import Path; from deltaserve.bench.worker import \
-shared_prefix_ttft as f; r = f(Path('/tmp/q08'), 'bfloat16', 4096, device='cuda'); \
-print(json.dumps(r)); Path(sys.argv[1]).write_text(json.dumps(r))" "$OUT/prefix-ttft.json" 2>&1 | quiet 2
-    ckpt minicpm-v-4.6 /tmp/mcv
-    python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
-        --out "$OUT/vision-ttft.json" 2>&1 | quiet 8
+    prefix_ttft prefix-ttft
+    image_ttft 8
     ;;
 esac

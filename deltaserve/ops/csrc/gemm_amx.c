@@ -119,6 +119,14 @@ static void epilogue(const float* acc, const float* bias, const float* residual,
   }
 }
 
+// C tiles 0-3 += A tiles 4, 5 (rows) x B tiles 6, 7 (columns)
+static inline void dot_2x2(void) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // One 32 x 32 block of y over the whole K. wh, wl: packed [Np/16][Kp/32][16][32] (wl may be NULL).
 static void block(const uint16_t* ah, const uint16_t* al, const uint16_t* wh, const uint16_t* wl,
                   const float* bias, const float* residual, float* y, long M, long N, long Kp,
@@ -139,23 +147,14 @@ static void block(const uint16_t* ah, const uint16_t* al, const uint16_t* wh, co
     if (c0) {  // xh . Wl first, while the hi A tiles are loaded
       _tile_loadd(6, c0 + kw, 64);
       _tile_loadd(7, c1 + kw, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      dot_2x2();
     }
     _tile_loadd(6, b0 + kw, 64);
     _tile_loadd(7, b1 + kw, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    dot_2x2();
     _tile_loadd(4, l0 + ka, stride);
     _tile_loadd(5, l1 + ka, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    dot_2x2();
   }
   float out[ROWS][COLS];
   _tile_stored(0, &out[0][0], COLS * 4);
