@@ -17,6 +17,26 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FIELDS = ("ids", "slots", "positions", "kv_blocks", "kv_rows", "lengths")  # [B] each
 
 
+def width_bucket(num_blocks: int) -> int:
+    """The KV-table width, in blocks, a graph is captured for: a power of two, at least 4."""
+    return 1 << max(2, (num_blocks - 1).bit_length())
+
+
+def capture(fn, pool, warmups: int = 2):
+    """(graph, fn()'s output inside it): fn run `warmups` times on a side stream first, so lazy
+    initialisation (cuBLAS handles, Triton compiles, memos) happens outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def _bucket(n: int, buckets) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -38,7 +58,7 @@ class DecodeGraphs:
         greedy head (a view of a static buffer). feed: runner.Feed, ids taken on the device."""
         num = len(ids)
         bsz = _bucket(num, BATCH_BUCKETS)
-        width = 1 << max(2, (max(len(t) for t in tables) - 1).bit_length())
+        width = width_bucket(max(len(t) for t in tables))
         key = (bsz, width)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bsz, width)
@@ -81,16 +101,7 @@ class DecodeGraphs:
                             ("kv_blocks", self.spare_block), ("kv_rows", 0), ("lengths", 1),
                             ("tables", self.spare_block)):
             static[name].fill_(value)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
-            for _ in range(2):
-                self.model.forward_batch(static["ids"], self._batch(static, bsz),
-                                         greedy=self.greedy)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            # masks and the like are computed inside the graph from the static lengths
-            logits = self.model.forward_batch(static["ids"], self._batch(static, bsz),
-                                              greedy=self.greedy)
+        # masks and the like are computed inside the graph from the static lengths
+        graph, logits = capture(lambda: self.model.forward_batch(
+            static["ids"], self._batch(static, bsz), greedy=self.greedy), self.pool)
         return graph, static, logits

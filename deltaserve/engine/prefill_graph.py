@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deltaserve.cache.batch import GraphChunk, SeqChunk, StepBatch
+from deltaserve.engine.cuda_graph import capture, width_bucket
 
 TOKEN_BUCKETS = (16, 32, 64, 128)
 MAX_PIECES = 4  # a chunk cut at its prefix-snapshot positions replays at most this many graphs
@@ -41,7 +42,9 @@ def usable(model) -> bool:
         return False
     if getattr(model, "tp", None) is not None:  # tensor-parallel ranks step eagerly here
         return False
-    return not any(getattr(m, "scheme", None) is not None for m in model.modules())
+    from deltaserve.quant.linear import is_quantized
+
+    return not any(is_quantized(m) for m in model.modules())
 
 
 class PrefillGraphs:
@@ -58,7 +61,7 @@ class PrefillGraphs:
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
-        the slot's state after a piece, `slot_snapshot`), every piece at most the largest bucket;
+        the slot's state after a piece, StatePool.snapshot), every piece at most the largest bucket;
         None when it runs eagerly (drafts, a 1-token chunk, too long, too many pieces)."""
         if chunk.verify or chunk.num_tokens < 2:
             return None
@@ -69,13 +72,6 @@ class PrefillGraphs:
                   for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
         return pieces if all(_bucket(p.num_tokens) for p in pieces) else None
 
-    def slot_snapshot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """layer -> (conv window [C,W-1], state [HV,K,V]) of the slot now: what the GDN layers'
-        snapshot keeper stores at a position inside an eager chunk."""
-        states = self.cache.states
-        return {layer: (conv[slot].clone(), states.recurrent[layer][slot].clone())
-                for layer, conv in enumerate(states.conv) if conv is not None}
-
     def host_inputs(self, ids: list[int], chunk: SeqChunk, images: bool = False
                     ) -> tuple[tuple[int, int, bool], np.ndarray]:
         """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W])."""
@@ -83,7 +79,7 @@ class PrefillGraphs:
         block_len = self.cache.kv.block_len
         if len(chunk.block_table) * block_len < chunk.end_pos:  # as StepBatch.build refuses
             raise ValueError(f"chunk has too few KV blocks: {chunk}")
-        width = 1 << max(2, (len(chunk.block_table) - 1).bit_length())  # as decode graphs
+        width = width_bucket(len(chunk.block_table))
         table = np.full(width, self.spare_block, dtype=np.int64)
         table[: len(chunk.block_table)] = chunk.block_table
         row = np.arange(num_rows, dtype=np.int64)
@@ -160,13 +156,5 @@ class PrefillGraphs:
                             ("kv_rows", 0), ("lengths", 1), ("slot", self.spare_slot),
                             ("real_len", num_rows), ("tables", self.spare_block)):
             static[name].fill_(value)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS, Triton) outside the capture
-            for _ in range(2):
-                self.forward(static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(static)
+        graph, out = capture(lambda: self.forward(static), self.pool)
         return graph, static, out

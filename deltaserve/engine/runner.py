@@ -89,8 +89,10 @@ class ModelRunner:
         those tokens): those rows' input ids come from the device, never read back
         (engine/overlap.py). images: the planned requests that have image placeholders.
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True."""
-        inject = _injection(plan, images or {}, self.model.device)
+        images = images or {}
         decodes = all(len(c.token_ids) == 1 for c in plan.chunks)
+        # a prefill chunk taking a prefill graph injects its image rows per piece instead
+        inject = _injection(plan, images, self.model.device) if decodes else None
         if (self.graphs is not None and decodes and inject is None
                 and self.graphs.supports(len(plan.chunks))):
             logits = self.graphs.run([max(c.token_ids[0], 0) for c in plan.chunks],
@@ -113,9 +115,11 @@ class ModelRunner:
                 and not self.model.keep_hidden):
             pieces = self.prefill_graphs.pieces(chunks[0])
             if pieces is not None:
-                image = (images or {}).get(plan.chunks[0].request_id)
+                image = images.get(plan.chunks[0].request_id)
                 return self._graph_prefill(plan, chunks[0], pieces, ids, all_ids, image)
         device = self.model.device
+        if not decodes:
+            inject = _injection(plan, images, device)
         batch = StepBatch.build(chunks, self.cache.states, self.cache.kv, device)
         if batch.verify:
             from deltaserve.spec.rollback import VerifyRecord
@@ -148,7 +152,7 @@ class ModelRunner:
             inject = _piece_injection(image, piece, self.model.device) if image else None
             out = graphs.run(ids[lo : lo + piece.num_tokens], piece, inject)
             if piece.end_pos in chunk.snapshot_at:
-                snaps[piece.end_pos] = graphs.slot_snapshot(chunk.slot)
+                snaps[piece.end_pos] = dict(enumerate(self.cache.states.snapshot(chunk.slot)))
         logits = _step_logits(out, plan)
         rid = plan.chunks[0].request_id
         if snaps and rid not in logits.failed:  # a state that produced NaN/inf is never shared
@@ -156,14 +160,18 @@ class ModelRunner:
         return logits
 
 
+def _placeholders(image: ImageInputs, start: int, end: int) -> tuple[list[int], torch.Tensor]:
+    """(positions in [start, end) relative to start, their embeddings [R,N]) of an image's
+    placeholders."""
+    lo = bisect.bisect_left(image.positions, start)
+    hi = bisect.bisect_left(image.positions, end)
+    return [p - start for p in image.positions[lo:hi]], image.embeds[lo:hi]
+
+
 def _piece_injection(image: ImageInputs, piece: SeqChunk, device: torch.device):
     """(rows of the piece [R], embeddings [R,N]) of the image placeholders it covers, or None."""
-    lo = bisect.bisect_left(image.positions, piece.start_pos)
-    hi = bisect.bisect_left(image.positions, piece.end_pos)
-    if hi == lo:
-        return None
-    rows = np.asarray(image.positions[lo:hi], dtype=np.int64) - piece.start_pos
-    return host_to_device(rows, device), image.embeds[lo:hi]
+    rows, embeds = _placeholders(image, piece.start_pos, piece.end_pos)
+    return (host_to_device(np.array(rows, np.int64), device), embeds) if rows else None
 
 
 def _injection(plan: StepPlan, images: Mapping[str, ImageInputs], device: torch.device):
@@ -172,17 +180,15 @@ def _injection(plan: StepPlan, images: Mapping[str, ImageInputs], device: torch.
     rows, embeds, offset = [], [], 0
     for c in plan.chunks:
         image = images.get(c.request_id)
-        end = c.start_pos + len(c.token_ids)
         if image is not None:
-            lo = bisect.bisect_left(image.positions, c.start_pos)
-            hi = bisect.bisect_left(image.positions, end)
-            rows += [offset + p - c.start_pos for p in image.positions[lo:hi]]
-            if hi > lo:
-                embeds.append(image.embeds[lo:hi])
+            at, rows_embeds = _placeholders(image, c.start_pos, c.start_pos + len(c.token_ids))
+            rows += [offset + r for r in at]
+            if at:
+                embeds.append(rows_embeds)
         offset += len(c.token_ids)
     if not rows:
         return None
-    return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(embeds)
+    return host_to_device(np.array(rows, np.int64), device), torch.cat(embeds)
 
 
 # (tokens [R] int64 on the device, destination rows, source rows of tokens)

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from deltaserve.engine.cuda_graph import capture
 from deltaserve.multimodal.positions import recording_indices
 
 MAX_GRAPHS = 8
@@ -54,14 +55,9 @@ class TowerGraphs:
 
     def _capture(self, pixels: torch.Tensor, grids: list[tuple[int, int]], mode: str):
         static_in = pixels.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits and the index memo, outside capture
-            self.model._run(static_in, grids, mode, None)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with recording_indices() as indices, torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.model._run(static_in, grids, mode, None)
+        with recording_indices() as indices:  # warm-up and capture read the same memo entries
+            graph, static_out = capture(lambda: self.model._run(static_in, grids, mode, None),
+                                        self.pool, warmups=1)
         self.num_captures += 1
         # the graph reads those index tensors by address: it holds them, whatever the memo drops
         return graph, static_in, static_out, indices
