@@ -48,7 +48,9 @@ def _fused_head(h: torch.Tensor, head):
     scheme = getattr(head, "scheme", None)
     if scheme is None:
         return lambda x: triton_head.greedy_dense_cuda(x, head.weight)
-    if (scheme.kind, scheme.bits) in (("int8", 8), ("affine", 4)) and h.shape[0] <= 8:
+    from deltaserve.ops.triton_qgemv import supports
+
+    if supports(scheme) and h.shape[0] <= 8:
         return lambda x: triton_head.greedy_packed_cuda(x, head)
     return None
 

@@ -65,7 +65,7 @@ def greedy_dense_cuda(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_packed_cuda(h: torch.Tensor, module) -> torch.Tensor:
-    """h [R, K]; `module` a packed int8 / 4-bit affine head -> argmax tokens [R] int64."""
+    """h [R, K]; `module` a packed int8 / 4-bit affine / q1 head -> argmax tokens [R] int64."""
     from deltaserve.ops.triton_qgemv import qgemv_argmax_cuda
     from deltaserve.quant.linear import packed
 

@@ -1,9 +1,13 @@
-"""Decode GEMV on packed int8 / 4-bit affine weights for CUDA GPUs (Triton), fp32 accumulation.
+"""Decode GEMV on packed int8 / 4-bit affine / 1-bit (q1) weights for CUDA GPUs (Triton), fp32
+accumulation.
 
 One program computes BLOCK_N output rows and walks K in steps of BLOCK_K columns (BLOCK_K / G
 quantization groups per step): per group a dot of codes and x, times the row's group scale, plus
 bias times the group's sum of x. int4 words (8 codes, low bits first) are never reshaped: the j-th
-nibble of every word meets x at positions 8*i + j, a strided load of x from L1.
+nibble of every word meets x at positions 8*i + j, a strided load of x from L1. q1 reads its bytes
+as int32 words (32 signs, lowest bit first) the same way: bit j of a word moved to the sign position
+and xor-ed into x's bits gives +-x, so a group's sum is sum(b ? -x : x) = sum(x) - 2 sum(b x), and
+w . x = s (2 sum(b x) - sum(x)) = -s * that sum: four integer / float ops per weight, no conversion.
 
 The reference is ops/qgemv.qgemv_ref (dequantize, then F.linear). The launch configuration per
 shape comes from TUNED, written from scripts/gpu/qgemv_tune.py's H200 run (see that table).
@@ -68,10 +72,11 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(W + rows[:, None] * K + cols[None, :],
                         mask=row_ok[:, None] & (cols < K)[None, :], other=0)
-        else:
-            wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            q = tl.load(W + rows[:, None] * (K // 8) + wcols[None, :],
-                        mask=row_ok[:, None] & (wcols * 8 < K)[None, :], other=0)
+        else:  # 32-bit words of 32 // BITS codes
+            PER: tl.constexpr = 32 // BITS
+            wcols = k0 // PER + tl.arange(0, BLOCK_K // PER)
+            q = tl.load(W + rows[:, None] * (K // PER) + wcols[None, :],
+                        mask=row_ok[:, None] & (wcols * PER < K)[None, :], other=0)
         s = tl.load(S + g_off, mask=g_ok, other=0.0)
         if HAS_BIAS:
             b = tl.load(B + g_off, mask=g_ok, other=0.0)
@@ -90,6 +95,15 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
             part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
+        elif BITS == 1:  # sum(b ? -x : x) per group (module docstring); its negation times s
+            wcols = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            w_ok = wcols * 32 < K
+            prod = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+            for j in tl.static_range(32):
+                xj = tl.load(X + wcols * 32 + j, mask=w_ok, other=0.0).to(tl.float32)
+                xbits = xj.to(tl.int32, bitcast=True)
+                prod += ((q >> j) << 31 ^ xbits[None, :]).to(tl.float32, bitcast=True)
+            part = -tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 32)), axis=2)
         else:
             wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             w_ok = wcols * 8 < K
@@ -163,7 +177,14 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }
-DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0)}
+# q1 (bits 1): not tuned yet; 1024 columns per step is 8 groups of 128, 32 words per row.
+DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0), 1: (8, 1024, 4, 1, 0)}
+KINDS = (("int8", 8), ("affine", 4), ("q1", 1))
+
+
+def supports(scheme) -> bool:
+    """The packed layouts this kernel reads."""
+    return (scheme.kind, scheme.bits) in KINDS
 # pdl=True / "tile": the best launch shape per Qwen3.5-0.8B shape in a chain of GEMVs of that
 # shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps), BLOCK_K widened to all of
 # K: `python scripts/gpu/qgemv_chain.py --sweep` on one H200, 2026-11-30 (the same winners in two
@@ -217,7 +238,7 @@ def whole_k_config(config: Config, bits: int, k: int) -> Config:
 
 def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
                pdl: bool | str = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8 or 4-bit affine weights
+    """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8, 4-bit affine or q1 weights
     -> [1, N] in x's dtype (no cast kernels around the GEMV), into `out` when given.
 
     pdl (Hopper, for GEMVs that follow each other in a stream or CUDA graph): False; True or
@@ -225,7 +246,7 @@ def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
     first K-step before the wait); "wait" (wait first); "early" ("tile", and the next kernel is
     released before this one's wait). Ignored where pdl_supported() is False. Without a config,
     True / "tile" take TUNED_PDL's launch shapes."""
-    w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
+    w = _words(p, scheme)
     n = w.shape[0]
     table = TUNED_PDL if pdl in (True, "tile") else None
     config = config or config_for(scheme.bits, n, x.shape[-1], table)
@@ -237,13 +258,24 @@ def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
 def qgemv_argmax_cuda(x: torch.Tensor, p: dict, scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMV with the greedy head's epilogue: x [1, K] -> per block of BLOCK_N rows the largest
     logit and its row (first on ties), ([1, blocks] fp32, [1, blocks] int32)."""
-    w = p["weight"].view(torch.int32) if scheme.kind == "affine" else p["weight"]
+    w = _words(p, scheme)
     config = config_for(scheme.bits, w.shape[0], x.shape[-1])
     blocks = triton.cdiv(w.shape[0], config[0])
     vals = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
     idx = torch.empty(1, blocks, dtype=torch.int32, device=x.device)
     _launch(x, p, scheme, w, vals, idx, config, True)
     return vals, idx
+
+
+def _words(p: dict, scheme) -> torch.Tensor:
+    """The packed weight as the kernel loads it: int8 codes, or int32 words (int4: uint32 words;
+    q1: uint8 bytes, four to a word, lowest byte first, so bit j of word i is element 32 i + j)."""
+    w = p["weight"]
+    if scheme.kind == "int8":
+        return w
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    return w.view(torch.int32)
 
 
 def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,

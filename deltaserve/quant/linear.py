@@ -85,8 +85,7 @@ def decode_gemv(x: torch.Tensor, scheme):
     """The GEMV that reads packed codes for x's device, or None (then: dequantize + F.linear)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return qgemv
-    kind = (scheme.kind, scheme.bits)
-    if x.device.type == "cuda" and kind in (("int8", 8), ("affine", 4)) and triton_qgemv.available():
+    if x.device.type == "cuda" and triton_qgemv.supports(scheme) and triton_qgemv.available():
         return triton_qgemv.qgemv_cuda
     return None
 

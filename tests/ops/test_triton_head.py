@@ -49,7 +49,7 @@ def test_dense_greedy_head_tie_keeps_the_first_index() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q1"])
 def test_packed_greedy_head_matches_fp32_argmax(fmt) -> None:
     torch.manual_seed(2)
     scheme = FORMATS[fmt]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q1"])
 @pytest.mark.parametrize(("rows", "cols"), [(37, 384), (6144, 1024), (1024, 3584)])
 @pytest.mark.parametrize("config", [None, (1, 1024, 1, 1, 0), (8, 256, 4, 2, 1), (32, 128, 8, 3, 1)])
 def test_triton_qgemv_matches_the_reference(fmt, rows, cols, config) -> None:
@@ -28,7 +28,7 @@ def test_triton_qgemv_matches_the_reference(fmt, rows, cols, config) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q1"])
 def test_qgemv_keeps_a_16_bit_activation_dtype(fmt) -> None:
     """bf16 x in, bf16 y out: the fp32 math happens inside the kernel, no cast kernels around it."""
     torch.manual_seed(4)
