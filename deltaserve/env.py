@@ -37,6 +37,12 @@ class Env:
     # DELTASERVE_AMX=0: fp32 vision GEMMs on CPU stay on torch's fp32 GEMM instead of the AMX
     # bf16x2 split kernel (ops/gemm_amx.py)
     amx: bool
+    # DELTASERVE_GEMV_PROLOGUE=0: GPU decode rows run the MLP's add + norm and silu * mul as their
+    # own kernels instead of inside the next GEMV (ops/gemv_prologue.py)
+    gemv_prologue: bool
+    # DELTASERVE_PDL=1: Triton decode kernels launch with programmatic dependent launch (sm_90+;
+    # ops/backend.pdl_enabled)
+    pdl: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -61,6 +67,8 @@ class Env:
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
             fla=_flag("DELTASERVE_FLA", default=True),
             amx=_flag("DELTASERVE_AMX", default=True),
+            gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
+            pdl=_flag("DELTASERVE_PDL"),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

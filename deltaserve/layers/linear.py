@@ -14,7 +14,9 @@ from torch import nn
 
 from deltaserve.env import env
 from deltaserve.ops import triton_gemv
+from deltaserve.ops import triton_qgemv as triton_gemv_q
 from deltaserve.ops.gemv import gemm_small, gemv
+from deltaserve.ops.gemv_prologue import Prologue, apply_ref
 
 # From this many rows up a bf16/fp16 weight is widened once to the activation dtype and the GEMM runs
 # there (CPUs without AMX run fp32 GEMMs ~1.6x faster than bf16). Below it each row is a GEMV that
@@ -49,14 +51,30 @@ class Linear(nn.Module):
     # row-parallel under tensor parallelism: partial sums -> sums (distributed.sharded.attach)
     reduce = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+        """prologue (ops/gemv_prologue): y = W f(x) for f = add + RMSNorm or silu * mul, fused into
+        the decode GEMV where fuses_prologue(x) says so, else by the separate ops first."""
+        if prologue is not None and not self.fuses_prologue(x):
+            x, prologue = apply_ref(x, prologue), None
         if self.scheme is not None:
             from deltaserve.quant.linear import quant_linear
 
-            y = quant_linear(x, self)
+            y = quant_linear(x, self, prologue)
         else:
-            y = linear(x, self.weight)
+            y = linear(x, self.weight, prologue)
         return y if self.reduce is None else self.reduce(y)
+
+    def fuses_prologue(self, x: torch.Tensor) -> bool:
+        """Whether this layer's GEMV for input row(s) x computes a prologue itself: one CUDA row on
+        a Triton GEMV (dense: a tuned shape; packed: every layout ops/triton_qgemv reads)."""
+        if not x.is_cuda or x.numel() != x.shape[-1] or env().reference_ops \
+                or not env().gemv_prologue:
+            return False
+        if self.scheme is None:
+            return _triton_gemv(x, self.weight)
+        from deltaserve.quant.linear import decode_gemv
+
+        return decode_gemv(x, self.scheme) is triton_gemv_q.qgemv_cuda
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.out_sizes, dim=-1)
@@ -101,10 +119,14 @@ def _triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and not env().reference_ops and triton_gemv.available())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None = None
+           ) -> torch.Tensor:
+    """prologue: only where Linear.fuses_prologue said so (a decode row on the Triton GEMV)."""
     if x.device.type == "cuda" and _triton_gemv(x, weight):
-        out = triton_gemv.gemv16_cuda(x.reshape(1, x.shape[-1]), weight)
+        out = triton_gemv.gemv16_cuda(x.reshape(1, x.shape[-1]), weight, prologue=prologue)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+    if prologue is not None:
+        raise ValueError("linear: a GEMV prologue needs the Triton decode GEMV")
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.ops.gemv_prologue import AddNorm
 from deltaserve.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
@@ -23,6 +24,11 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on GPUs."""
         return add_rms_norm(x, residual, self.weight, self.eps, 1.0)
+
+    def add_prologue(self, residual: torch.Tensor) -> AddNorm:
+        """add_forward for a GEMV to compute in its prologue: the sum lands in .total."""
+        return AddNorm(residual.contiguous(), self.weight, self.eps, 1.0,
+                       torch.empty_like(residual, memory_format=torch.contiguous_format))
 
 
 class GatedRMSNorm(nn.Module):

@@ -49,6 +49,17 @@ class DecoderLayer(nn.Module):
             return self.self_attn.forward_batch(h, cos_sin, batch, idx)
         return self.linear_attn.forward_batch(h, batch, idx)
 
+    def mlp_block(self, mixed: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(post_attention_layernorm(residual + mixed)), residual + mixed). A decode row on
+        the Triton GEMVs computes the add + norm inside gate|up's GEMV (ops/gemv_prologue)."""
+        norm = self.post_attention_layernorm
+        if mixed.dtype == residual.dtype and self.mlp.gate_up_proj.fuses_prologue(mixed):
+            prologue = norm.add_prologue(residual)
+            return self.mlp(mixed, prologue), prologue.total
+        h, residual = norm.add_forward(mixed, residual)
+        return self.mlp(h), residual
+
 
 class Backbone(nn.Module):
     """Named `model` in the checkpoint: embed_tokens, layers.*, norm."""
@@ -150,14 +161,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         # into post_attention_layernorm, the MLP's into the next layer's input norm (the final norm)
         h, residual = layers[0].input_layernorm(x), x
         for idx, layer in enumerate(layers):
-            mixed = layer.mix(h, idx, batch, cos_sin)
-            h, residual = layer.post_attention_layernorm.add_forward(mixed, residual)
+            out, residual = layer.mlp_block(layer.mix(h, idx, batch, cos_sin), residual)
             if idx + 1 < len(layers):
-                h, residual = layers[idx + 1].input_layernorm.add_forward(layer.mlp(h), residual)
+                h, residual = layers[idx + 1].input_layernorm.add_forward(out, residual)
             elif last_stage:
-                h, residual = self.model.norm.add_forward(layer.mlp(h), residual)
+                h, residual = self.model.norm.add_forward(out, residual)
             else:  # the residual stream goes on: the next stage's first input norm takes it
-                residual = residual + layer.mlp(h)
+                residual = residual + out
         if not last_stage:  # the last stage's output comes back: [rows] tokens or [rows, V]
             rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
             pp.send(residual)

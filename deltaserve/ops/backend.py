@@ -58,3 +58,47 @@ def triton_enabled() -> bool:
     # _resolve answers "portable" without CUDA; is_available() itself costs ~5 us per call, and
     # this runs before every Triton launch
     return triton is not None and gpu_backend() == "triton"
+
+
+if triton is not None:
+    try:  # Hopper grid-dependency control (Triton >= 3.4); without it PDL stays off
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        HAS_GDC = True
+    except ImportError:  # the no-ops keep kernels' ASTs resolvable; pdl_supported() says no
+        HAS_GDC = False
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+else:
+    HAS_GDC = False
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Programmatic dependent launch needs Triton's launch_pdl (3.4+) and an sm_90+ GPU."""
+    if triton is None or not HAS_GDC or not torch.cuda.is_available():
+        return False
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def pdl_enabled() -> bool:
+    """Whether decode kernels launch with programmatic dependent launch (DELTASERVE_PDL=1 on a
+    Hopper GPU): each kernel may start while its predecessor finishes, runs what reads no
+    predecessor output (a GEMV's weight loads) and waits (gdc_wait) before the rest."""
+    return env().pdl and pdl_supported()
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch keywords for a kernel whose PDL constexpr is `on` (no keyword when off)."""
+    return {"launch_pdl": True} if on else {}
+
+
+def pdl_args() -> dict:
+    """A decode kernel's PDL constexpr and launch keyword, as pdl_enabled() says."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 SM_TARGET = 256  # programs to aim for when splitting the key range of few sequences
 
 if triton is not None:
+    from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _norm_rope(row, w, cos_row, sin_row, eps, ROUND: tl.constexpr, D: tl.constexpr,
@@ -44,7 +45,10 @@ if triton is not None:
 
     @triton.jit
     def _prep_kernel(P, P_STRIDE, QW, KW, COS, SIN, QOUT, KP, VP, BLOCKS, ROWS, HQ, HKV, eps,
-                     D: tl.constexpr, R: tl.constexpr, L: tl.constexpr):
+                     D: tl.constexpr, R: tl.constexpr, L: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)
         row = P + t * P_STRIDE
         cos_row, sin_row = COS + t * R, SIN + t * R
@@ -65,7 +69,10 @@ if triton is not None:
     @triton.jit
     def _paged_kernel(Q, KP, VP, TABLES, LENGTHS, MP, LP, AP, scale, NBMAX, HQ, HKV, SPLITS,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, L: tl.constexpr, D: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         b, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(LENGTHS + b)
         num_blocks = tl.cdiv(length, L)
@@ -106,7 +113,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(MP, LP, AP, P, P_STRIDE, OUT, OUT_STRIDE, ROWS, HQ, SPLITS,
-                        BLOCK_S: tl.constexpr, D: tl.constexpr, HAS_ROWS: tl.constexpr):
+                        BLOCK_S: tl.constexpr, D: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         b, h = tl.program_id(0), tl.program_id(1)
         sp, ds = tl.arange(0, BLOCK_S), tl.arange(0, D)
         ok = sp < SPLITS
@@ -138,7 +148,7 @@ def qk_prep_cuda(proj: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: 
     _prep_kernel[(num_tokens, num_heads + num_kv_heads)](
         proj, proj.stride(0), q_w.contiguous(), k_w.contiguous(), cos.contiguous(),
         sin.contiguous(), q, k_pool, v_pool, blocks, rows, num_heads, num_kv_heads, eps,
-        D=head_dim, R=cos.shape[-1], L=block_len)
+        D=head_dim, R=cos.shape[-1], L=block_len, **pdl_args())
     return q
 
 
@@ -169,9 +179,10 @@ def paged_decode_attention_cuda(q: torch.Tensor, proj: torch.Tensor, k_pool: tor
     _paged_kernel[(bsz, num_kv_heads, splits)](
         q_rows, k_pool, v_pool, tables, lengths, m_part, l_part, acc_part, scale, width,
         num_heads, num_kv_heads, splits, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        L=block_len, D=head_dim, IEEE=k_pool.dtype == torch.float32, num_warps=4)
+        L=block_len, D=head_dim, IEEE=k_pool.dtype == torch.float32, num_warps=4, **pdl_args())
     _combine_kernel[(bsz, num_heads)](
         m_part, l_part, acc_part, proj, proj.stride(0), out, out.stride(0),
         tables if rows is None else rows, num_heads, splits,
-        BLOCK_S=triton.next_power_of_2(splits), D=head_dim, HAS_ROWS=rows is not None)
+        BLOCK_S=triton.next_power_of_2(splits), D=head_dim, HAS_ROWS=rows is not None,
+        **pdl_args())
     return out

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 BLOCK_V = 32  # value columns per program of the delta-rule kernel
 
 if triton is not None:
+    from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _conv_read(x_row, win, cw, cols, W: tl.constexpr):
@@ -51,7 +52,10 @@ if triton is not None:
     @triton.jit
     def _delta_kernel(QKV, QKV_STRIDE, WIN, CW, A, B, AB_STRIDE, ALOG, DTB, STATE, SLOTS, O, C,
                       HV, GROUP, HK, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
+                      BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kh = h // GROUP
         ks, vs = tl.arange(0, K), vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -76,7 +80,10 @@ if triton is not None:
 
     @triton.jit
     def _out_kernel(O, QKV, QKV_STRIDE, WIN, Z, Z_STRIDE, NW, SLOTS, OUT, OUT_STRIDE, C, HV,
-                    GROUP, HK, eps, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+                    GROUP, HK, eps, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         b, h = tl.program_id(0), tl.program_id(1)
         vs = tl.arange(0, V)
         # gated RMSNorm over the head's V outputs: rms_norm(o) * w * silu(z), plain w
@@ -120,9 +127,9 @@ def gdn_decode_slots_cuda(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state
         qkv, qkv.stride(0), conv_pool, conv_w.float().contiguous(), a, b, a.stride(0),
         a_log.float().contiguous(), dt_bias.float().contiguous(), state_pool, slots, raw,
         channels, num_heads, group, num_k_heads, K=k_dim, V=v_dim, W=width, BLOCK_V=block_v,
-        num_warps=4)
+        num_warps=4, **pdl_args())
     _out_kernel[(bsz, num_heads)](
         raw, qkv, qkv.stride(0), conv_pool, z, z.stride(0), norm_w.float().contiguous(), slots,
         out, out.stride(0), channels, num_heads, group, num_k_heads, eps, K=k_dim, V=v_dim,
-        W=width, num_warps=4)
+        W=width, num_warps=4, **pdl_args())
     return out

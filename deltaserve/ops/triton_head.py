@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 MAX_ROWS = 16
 BLOCK_N, BLOCK_K, NUM_WARPS = 64, 128, 4
 
 if triton is not None:
+    from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _dense_argmax_kernel(W, X, VALS, IDX, R, N, K, NUM_TILES, BLOCK_R: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         tile = tl.program_id(0)
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rs = tl.arange(0, BLOCK_R)
@@ -60,7 +65,8 @@ def greedy_dense_cuda(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(rows, tiles, dtype=torch.int32, device=h.device)
     _dense_argmax_kernel[(tiles,)](weight, h.contiguous(), vals, idx, rows, n, k, tiles,
                                    BLOCK_R=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                   IEEE=weight.dtype == torch.float32, num_warps=NUM_WARPS)
+                                   IEEE=weight.dtype == torch.float32, num_warps=NUM_WARPS,
+                                   **pdl_args())
     return _pick(vals, idx)
 
 

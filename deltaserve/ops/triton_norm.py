@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 if triton is not None:
+    from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _rms_kernel(X, W, Z, Y, N, Z_STRIDE, GROUPS, eps, offset, HAS_GATE: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -30,7 +34,10 @@ if triton is not None:
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _add_rms_kernel(X, R, W, S, Y, N, eps, offset, BLOCK: tl.constexpr):
+    def _add_rms_kernel(X, R, W, S, Y, N, eps, offset, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the predecessor's writes, let the
+            gdc_wait()  # next kernel launch (and prefetch its static operands) meanwhile
+            gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -52,7 +59,8 @@ def add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     flat_x, flat_r = x.reshape(-1, dim).contiguous(), residual.reshape(-1, dim).contiguous()
     total, normed = torch.empty_like(flat_r), torch.empty_like(flat_r)
     _add_rms_kernel[(flat_x.shape[0],)](flat_x, flat_r, weight.contiguous(), total, normed, dim,
-                                        eps, offset, BLOCK=triton.next_power_of_2(dim))
+                                        eps, offset, BLOCK=triton.next_power_of_2(dim),
+                                        **pdl_args())
     return normed.reshape(residual.shape), total.reshape(residual.shape)
 
 
@@ -62,7 +70,7 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
     flat = x.reshape(-1, dim).contiguous()
     out = torch.empty_like(flat)
     _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), flat, out, dim, 0, 1, eps, offset,
-                                  HAS_GATE=False, BLOCK=triton.next_power_of_2(dim))
+                                  HAS_GATE=False, BLOCK=triton.next_power_of_2(dim), **pdl_args())
     return out.reshape(x.shape)
 
 
@@ -82,5 +90,5 @@ def gated_rms_norm_cuda(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
         groups, z_stride = 1, dim
     out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
     _rms_kernel[(flat.shape[0],)](flat, weight.contiguous(), gate, out, dim, z_stride, groups, eps,
-                                  0.0, HAS_GATE=True, BLOCK=triton.next_power_of_2(dim))
+                                  0.0, HAS_GATE=True, BLOCK=triton.next_power_of_2(dim), **pdl_args())
     return out.reshape(x.shape)

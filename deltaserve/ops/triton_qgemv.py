@@ -23,14 +23,15 @@ predecessor's tail. Measured by scripts/gpu/qgemv_chain.py.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops import gemv_prologue
+from deltaserve.ops.backend import pdl_enabled, pdl_supported, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 if triton is not None:
+    from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
+    from deltaserve.ops.gemv_prologue import rstd_of, x_at
 
     @triton.jit
     def _to_float(q, BITS: tl.constexpr, MAGIC: tl.constexpr):
@@ -44,20 +45,6 @@ if triton is not None:
         else:
             out = q.to(tl.float32)
         return out
-
-    try:  # Hopper grid-dependency control (Triton >= 3.4); without it PDL mode stays off
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-        _HAS_GDC = True
-    except ImportError:  # the no-ops keep the kernel's AST resolvable; pdl_supported() says no
-        _HAS_GDC = False
-
-        @triton.jit
-        def gdc_wait():
-            pass
-
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
 
     @triton.jit
     def _weights(W, S, B, rows, row_ok, k0, K, num_groups, G: tl.constexpr, BITS: tl.constexpr,
@@ -85,22 +72,23 @@ if triton is not None:
         return q, s, b
 
     @triton.jit
-    def _step(acc, q, s, b, X, k0, K, G: tl.constexpr, BITS: tl.constexpr,
+    def _step(acc, q, s, b, X, R, NW, rstd, offset, k0, K, G: tl.constexpr, BITS: tl.constexpr,
               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              MAGIC: tl.constexpr):
+              MAGIC: tl.constexpr, XMODE: tl.constexpr):
         """acc [BLOCK_N, BLOCK_K / G] += one K-step: per group a dot of codes and x, times the
-        group scale, plus bias times the group's sum of x. Reads x, so it runs after gdc_wait."""
+        group scale, plus bias times the group's sum of x. Reads x (through the prologue, XMODE:
+        ops/gemv_prologue), so it runs after gdc_wait."""
         NG: tl.constexpr = BLOCK_K // G
         if BITS == 8:
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x = x_at(X, R, NW, cols, cols < K, K, rstd, offset, XMODE)
             part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
         elif BITS == 1:  # sum(b ? -x : x) per group (module docstring); its negation times s
             wcols = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             w_ok = wcols * 32 < K
             prod = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
             for j in tl.static_range(32):
-                xj = tl.load(X + wcols * 32 + j, mask=w_ok, other=0.0).to(tl.float32)
+                xj = x_at(X, R, NW, wcols * 32 + j, w_ok, K, rstd, offset, XMODE)
                 xbits = xj.to(tl.int32, bitcast=True)
                 prod += ((q >> j) << 31 ^ xbits[None, :]).to(tl.float32, bitcast=True)
             part = -tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 32)), axis=2)
@@ -109,20 +97,21 @@ if triton is not None:
             w_ok = wcols * 8 < K
             prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for j in tl.static_range(8):
-                xj = tl.load(X + wcols * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+                xj = x_at(X, R, NW, wcols * 8 + j, w_ok, K, rstd, offset, XMODE)
                 prod += _to_float((q >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
             part = tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 8)), axis=2)
         acc += part * s
         if HAS_BIAS:
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x = x_at(X, R, NW, cols, cols < K, K, rstd, offset, XMODE)
             acc += b * tl.sum(tl.reshape(x, (NG, G)), axis=1)[None, :]
         return acc
 
     @triton.jit
-    def _gemv_kernel(W, S, B, X, Y, YI, N, K, G: tl.constexpr, BITS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     MAGIC: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(W, S, B, X, Y, YI, N, K, R, NW, TOTAL, eps, offset, G: tl.constexpr,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, ARGMAX: tl.constexpr,
+                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr):
         """PDL (programmatic dependent launch, launched with launch_pdl): 0 off; 1 gdc_wait first
         (the launch overlaps the predecessor's tail); 2 the first K-step's weights are loaded
         before the wait, so this kernel's DRAM round trip overlaps the predecessor; 3 as 2, and
@@ -143,13 +132,16 @@ if triton is not None:
             gdc_wait()  # the predecessor is complete and its writes (our x) are visible
             if PDL != 3:
                 gdc_launch_dependents()
+        rstd = rstd_of(X, R, K, eps, TOTAL, pid, XMODE, NORM_BLOCK)
         if PDL >= 2:
-            acc = _step(acc, q0, s0, b0, X, 0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K, MAGIC)
+            acc = _step(acc, q0, s0, b0, X, R, NW, rstd, offset, 0, K, G, BITS, HAS_BIAS, BLOCK_N,
+                        BLOCK_K, MAGIC, XMODE)
             k_start = BLOCK_K
         for k0 in range(k_start, K, BLOCK_K):
             q, s, b = _weights(W, S, B, rows, row_ok, k0, K, num_groups, G, BITS, HAS_BIAS,
                                BLOCK_K)
-            acc = _step(acc, q, s, b, X, k0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K, MAGIC)
+            acc = _step(acc, q, s, b, X, R, NW, rstd, offset, k0, K, G, BITS, HAS_BIAS, BLOCK_N,
+                        BLOCK_K, MAGIC, XMODE)
         y = tl.sum(acc, axis=1)
         if ARGMAX:  # the greedy head: this block's maximum and its row, not the logits
             y = tl.where(row_ok, y, float("-inf"))
@@ -217,15 +209,6 @@ PDL_MODES = {"wait": 1, "block": 2, "tile": 2, "early": 3}
 _TILE_BYTES_PER_THREAD = 128  # a whole [BLOCK_N, K] tile held in registers: at most 32 per thread
 
 
-@functools.cache
-def pdl_supported() -> bool:
-    """Programmatic dependent launch needs Triton's launch_pdl (3.4+) and an sm_90+ GPU."""
-    if triton is None or not _HAS_GDC or not torch.cuda.is_available():
-        return False
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability() >= (9, 0)
-
-
 def whole_k_config(config: Config, bits: int, k: int) -> Config:
     """config with BLOCK_K covering all of K (next power of two) when that tile's codes stay
     within _TILE_BYTES_PER_THREAD: PDL then loads every weight of the program before its wait."""
@@ -237,21 +220,27 @@ def whole_k_config(config: Config, bits: int, k: int) -> Config:
 
 
 def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
-               pdl: bool | str = False, out: torch.Tensor | None = None) -> torch.Tensor:
+               pdl: bool | str | None = None, out: torch.Tensor | None = None,
+               prologue: gemv_prologue.Prologue | None = None) -> torch.Tensor:
     """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8, 4-bit affine or q1 weights
-    -> [1, N] in x's dtype (no cast kernels around the GEMV), into `out` when given.
+    -> [1, N] in x's dtype (no cast kernels around the GEMV), into `out` when given. prologue
+    (ops/gemv_prologue): the GEMV reads rms_norm(residual + x) or silu(gate) * up of x instead.
 
     pdl (Hopper, for GEMVs that follow each other in a stream or CUDA graph): False; True or
     "tile" (whole-K tile loaded before the wait where it fits, else as "block"); "block" (the
     first K-step before the wait); "wait" (wait first); "early" ("tile", and the next kernel is
     released before this one's wait). Ignored where pdl_supported() is False. Without a config,
-    True / "tile" take TUNED_PDL's launch shapes."""
+    True / "tile" take TUNED_PDL's launch shapes. None: "tile" where the engine's decode kernels
+    launch with PDL (ops/backend.pdl_enabled), else False."""
+    if pdl is None:
+        pdl = "tile" if pdl_enabled() else False
     w = _words(p, scheme)
-    n = w.shape[0]
+    n, k = w.shape[0], gemv_prologue.gemv_cols(x, prologue)
+    gemv_prologue.check(x, prologue, k)
     table = TUNED_PDL if pdl in (True, "tile") else None
-    config = config or config_for(scheme.bits, n, x.shape[-1], table)
+    config = config or config_for(scheme.bits, n, k, table)
     y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x, p, scheme, w, y, y, config, False, pdl)
+    _launch(x, p, scheme, w, y, y, config, False, pdl, prologue)
     return y
 
 
@@ -263,7 +252,7 @@ def qgemv_argmax_cuda(x: torch.Tensor, p: dict, scheme) -> tuple[torch.Tensor, t
     blocks = triton.cdiv(w.shape[0], config[0])
     vals = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
     idx = torch.empty(1, blocks, dtype=torch.int32, device=x.device)
-    _launch(x, p, scheme, w, vals, idx, config, True)
+    _launch(x, p, scheme, w, vals, idx, config, True, "block" if pdl_enabled() else False)
     return vals, idx
 
 
@@ -279,10 +268,12 @@ def _words(p: dict, scheme) -> torch.Tensor:
 
 
 def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,
-            config: Config, argmax: bool, pdl: bool | str = False):
+            config: Config, argmax: bool, pdl: bool | str = False,
+            prologue: gemv_prologue.Prologue | None = None):
     """Launches the kernel; returns Triton's compiled-kernel handle (its .asm for inspection)."""
     mode = PDL_MODES["tile" if pdl is True else pdl] if pdl and pdl_supported() else 0
-    n, k = w.shape[0], x.shape[-1]
+    n, k = w.shape[0], gemv_prologue.gemv_cols(x, prologue)
+    x = x.contiguous()
     if pdl in (True, "tile", "early") and mode:
         config = whole_k_config(config, scheme.bits, k)
     block_n, block_k, warps, stages, magic = config
@@ -290,6 +281,7 @@ def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tens
     biases = p.get("biases", p["scales"])
     extra = {"launch_pdl": True} if mode else {}  # no keyword at all on the default path
     return _gemv_kernel[(triton.cdiv(n, block_n),)](
-        w, p["scales"], biases, x.contiguous(), y, yi, n, k, G=scheme.group_size,
+        w, p["scales"], biases, x, y, yi, n, k, **gemv_prologue.kernel_args(x, prologue),
+        G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
         MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages, **extra)

@@ -99,9 +99,14 @@ def _batch_gemm(x: torch.Tensor, scheme) -> bool:
             and triton_qgemm.available() and triton_qgemm.supports(scheme))
 
 
-def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """y = x W^T for a quantized module; x [..., K] in the activation dtype."""
+def quant_linear(x: torch.Tensor, module: nn.Module, prologue=None) -> torch.Tensor:
+    """y = x W^T for a quantized module; x [..., K] in the activation dtype. prologue
+    (ops/gemv_prologue): only where Linear.fuses_prologue said so (one row on the Triton GEMV)."""
     rows = x.numel() // x.shape[-1]
+    if prologue is not None:
+        out = triton_qgemv.qgemv_cuda(x.reshape(1, x.shape[-1]), packed(module), module.scheme,
+                                      prologue=prologue)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if 1 < rows <= triton_qgemm.MAX_ROWS and _batch_gemm(x, module.scheme):
         flat = x.reshape(rows, x.shape[-1])
         out = triton_qgemm.qgemm_cuda(flat, packed(module), module.scheme)

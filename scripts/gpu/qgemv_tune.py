@@ -1,6 +1,6 @@
 """Tune the Triton quantized GEMV's launch config per Qwen3.5 decode shape on one GPU; writes JSON.
 
-    python scripts/gpu/qgemv_tune.py --out $OUT/qgemv_tune.json [--jobs 12]
+    python scripts/gpu/qgemv_tune.py --out $OUT/qgemv_tune.json [--jobs 12] [--formats int8,int4,q1]
 
 Every config is first compiled by a pool of processes (Triton's disk cache), then timed in this one
 process. Timing is L2-cold, as decode sees it (every weight is read once per token and the model
@@ -42,6 +42,13 @@ CONFIGS = [(bn, bk, w, 1, magic)
 L2_BYTES = 50 * 2**20
 
 
+def configs_for(fmt):
+    """q1 ignores the conversion flag (no int-to-float conversion) and needs whole groups of 128."""
+    if fmt != "q1":
+        return CONFIGS
+    return [c for c in CONFIGS if c[4] == 0 and c[1] >= 128]
+
+
 @triton.jit
 def _noop(Y):
     tl.store(Y, 0.0)
@@ -74,7 +81,7 @@ def tune_shape(fmt, n, k, dev):
         nbytes_one = sum(v.numel() * v.element_size() for v in copies[0].values()) + 4 * k
     ref = qgemv_ref(x, copies[0], s)
     results = []
-    for cfg in CONFIGS:
+    for cfg in configs_for(fmt):
         try:
             out = qgemv_cuda(x, copies[0], s, config=cfg)
         except Exception as exc:  # a config the compiler rejects (registers, shared memory)
@@ -91,8 +98,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--formats", default="int8,int4")
     args = ap.parse_args()
-    jobs = [(fmt, CONFIGS[i::args.jobs]) for fmt in ("int8", "int4") for i in range(args.jobs)]
+    formats = args.formats.split(",")
+    jobs = [(fmt, configs_for(fmt)[i::args.jobs]) for fmt in formats for i in range(args.jobs)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         compiled = sum(pool.map(compile_some, jobs))
@@ -108,7 +117,7 @@ def main():
     for n, k in SHAPES:
         w, xb = torch.randn(n, k, device=dev).bfloat16(), torch.randn(1, k, device=dev).bfloat16()
         bf16_us = graphed([lambda w=w, xb=xb: F.linear(xb, w)] * 16) * 1e6
-        for fmt in ("int8", "int4"):
+        for fmt in formats:
             nbytes, num_copies, results = tune_shape(fmt, n, k, dev)
             ok = [r for r in results if "cold_us" in r and r["rel_err"] < 1e-5]
             best = min(ok, key=lambda r: r["cold_us"])

@@ -15,6 +15,8 @@
 #   bash scripts/gpu/session.sh graphs  # tower graph tests, tower bench, image TTFT, prefill cProfile
 #   bash scripts/gpu/session.sh prefill # short-prefill graphs: tests, TTFT profile, prefix TTFT, image TTFT
 #   bash scripts/gpu/session.sh confirm # the same, shorter, printing the graph-vs-eager errors
+#   bash scripts/gpu/session.sh fused   # q1 GEMV, the MLP's GEMV prologues, PDL decode: tests,
+#                                       # decode A/B (prologue off / on / on + PDL), q1 tune
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -144,5 +146,21 @@ confirm)  # issues 5 and 8, last look: graph tests (with their errors), TTFTs
     grep -E "^(hit|fresh)" "$OUT/ttft-profile.log"
     prefix_ttft prefix-ttft
     image_ttft 8
+    ;;
+fused)  # issues 4 and 6: q1 GEMV, the MLP as two GEMVs, programmatic dependent launch
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/engine/test_cuda_graphs.py \
+        tests/quant --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
+    DELTASERVE_PDL=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_gemv_prologue.py \
+        tests/engine/test_cuda_graphs.py tests/ops/test_triton_attention.py \
+        tests/ops/test_triton_gdn_decode.py tests/ops/test_triton_norm.py tests/ops/test_triton_head.py \
+        --junitxml="$OUT/gpu-tests-pdl.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8
+    for ab in "0 0 bf16,int8" "1 0 bf16,int8,int4,q1" "1 1 bf16,int8,int4,q1"; do
+        set -- $ab
+        DELTASERVE_GEMV_PROLOGUE=$1 DELTASERVE_PDL=$2 python3 -m deltaserve bench --model /tmp/q08 \
+            --device cuda --decode-tokens 128 --formats "$3" --prefill-lens 2048 --peer none \
+            --out "$OUT/bench-prologue$1-pdl$2.json" 2>&1 | grep -v -i warn | grep -E "decode|tok_s" | cut -c1-300 | tail -8
+    done
+    timeout 150 python3 scripts/gpu/qgemv_tune.py --formats q1 --out "$OUT/qgemv-tune-q1.json" 2>&1 \
+        | grep -v -i warn | cut -c1-300 | tail -9
     ;;
 esac

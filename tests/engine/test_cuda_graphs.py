@@ -100,3 +100,44 @@ def test_overlapped_graph_decode_equals_the_plain_engine(tiny_dir, greedy_head) 
     engine = overlapped(llm, num_slots=8, prefix_bytes=0)
     assert drive(engine, arrivals) == plain
     assert engine.runner.graphs.graphs, "no step was replayed from a graph"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlp_prologue_decode_equals_the_separate_kernels(tiny_dir, tmp_path, monkeypatch,
+                                                         dtype) -> None:
+    """Batch-1 decode rows on int8 weights: the MLP as two GEMVs that compute the add + norm and
+    silu * mul themselves (ops/gemv_prologue) against the five separate kernels, in CUDA graphs."""
+    from deltaserve import LLM
+    from deltaserve.engine.sampling import SamplingParams
+    from deltaserve.env import env
+    from deltaserve.ops import gemv_prologue
+    from deltaserve.quant.convert import quantize_checkpoint
+
+    quantize_checkpoint(tiny_dir, "int8", tmp_path / "q")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = prompts_of([5, 150, 33])
+    modes = []
+    kernel_args = gemv_prologue.kernel_args
+    monkeypatch.setattr(gemv_prologue, "kernel_args",
+                        lambda x, p: modes.append(kernel_args(x, p)["XMODE"]) or kernel_args(x, p))
+    results = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("DELTASERVE_GEMV_PROLOGUE", fused)
+        env.cache_clear()
+        modes.clear()
+        engine = make_engine(LLM(tmp_path / "q", dtype=dtype, device="cuda"), num_slots=1,
+                             prefix_bytes=0)
+        seen = capture(engine)
+        results[fused] = (run_all(engine, prompts, params), seen)
+        assert ({1, 2} <= set(modes)) == (fused == "1"), set(modes)
+    (tok0, seen0), (tok1, seen1) = results["0"], results["1"]
+    if dtype == "float32":
+        assert tok0 == tok1
+    bound = 1e-5 if dtype == "float32" else 2e-2
+    for rid in prompts:  # bf16: up to the first token that differs (a near-tie), inputs are equal
+        pairs = zip(tok0[rid], tok1[rid], strict=True)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(tok0[rid]))
+        steps = min(same + 1, len(seen0[rid]))
+        assert rel(torch.stack(seen1[rid][:steps]).cpu(),
+                   torch.stack(seen0[rid][:steps]).cpu()) <= bound, rid
