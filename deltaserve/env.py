@@ -40,8 +40,8 @@ class Env:
     # DELTASERVE_GEMV_PROLOGUE=0: GPU decode rows run the MLP's add + norm and silu * mul as their
     # own kernels instead of inside the next GEMV (ops/gemv_prologue.py)
     gemv_prologue: bool
-    # DELTASERVE_PDL=1: Triton decode kernels launch with programmatic dependent launch (sm_90+;
-    # ops/backend.pdl_enabled)
+    # DELTASERVE_PDL=0: Triton kernels launch without programmatic dependent launch (which they
+    # use on sm_90+ GPUs: ops/backend.pdl_enabled)
     pdl: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
@@ -68,7 +68,7 @@ class Env:
             fla=_flag("DELTASERVE_FLA", default=True),
             amx=_flag("DELTASERVE_AMX", default=True),
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
-            pdl=_flag("DELTASERVE_PDL"),
+            pdl=_flag("DELTASERVE_PDL", default=True),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

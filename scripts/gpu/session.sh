@@ -17,6 +17,8 @@
 #   bash scripts/gpu/session.sh confirm # the same, shorter, printing the graph-vs-eager errors
 #   bash scripts/gpu/session.sh fused   # q1 GEMV, the MLP's GEMV prologues, PDL decode: tests,
 #                                       # decode A/B (prologue off / on / on + PDL), q1 tune
+#   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
+#                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
 #   the Triton backend vs the portable one, CUDA vs CPU), junit XML in $OUT/gpu-tests.xml; then
 #   CPU-vs-CUDA greedy tokens (fp32) and bf16-vs-fp32 gate measures, both backends.
@@ -162,5 +164,14 @@ fused)  # issues 4 and 6: q1 GEMV, the MLP as two GEMVs, programmatic dependent 
     done
     timeout 150 python3 scripts/gpu/qgemv_tune.py --formats q1 --out "$OUT/qgemv-tune-q1.json" 2>&1 \
         | grep -v -i warn | cut -c1-300 | tail -9
+    ;;
+pdl)  # issues 4 and 6, after fused: PDL on by default, the q1 GEMV reading x once
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
+        --formats bf16,int8,int4,q1 --prefill-lens 2048,8192 --peer none \
+        --out "$OUT/bench-cuda.json" 2>&1 | grep -E "^(decode|prefill|roofline)" | cut -c1-200
+    python3 scripts/gpu/batch_bench.py --int8 --batches 1,32,128 --peer-batches none \
+        --out "$OUT/batch-bench.json" 2>&1 | quiet 4
+    timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
     ;;
 esac

@@ -64,9 +64,9 @@ def kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
     real = triton_gemv.gemv16_cuda
 
-    def spy(x, weight, config=None):
+    def spy(x, weight, config=None, prologue=None):
         calls.append(tuple(weight.shape))
-        return real(x, weight, config)
+        return real(x, weight, config, prologue=prologue)
 
     monkeypatch.setattr(triton_gemv, "gemv16_cuda", spy)
     return calls
