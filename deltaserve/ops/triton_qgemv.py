@@ -91,8 +91,8 @@ if triton is not None:
             xbits = tl.reshape(x.to(tl.int32, bitcast=True), (BLOCK_K // 32, 32))
             shifts = tl.arange(0, 32)
             signs = (q[:, :, None] >> shifts[None, None, :]) << 31
-            prod = (signs ^ xbits[None, :, :]).to(tl.float32, bitcast=True)
-            part = -tl.sum(tl.reshape(prod, (BLOCK_N, NG, G)), axis=2)
+            words = tl.sum((signs ^ xbits[None, :, :]).to(tl.float32, bitcast=True), axis=2)
+            part = -tl.sum(tl.reshape(words, (BLOCK_N, NG, G // 32)), axis=2)
         else:
             wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             w_ok = wcols * 8 < K

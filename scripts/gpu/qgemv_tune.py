@@ -99,8 +99,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--shapes", default="", help="NxK,... (default: every 0.8B decode shape)")
+    ap.add_argument("--quick", action="store_true", help="9 tiles x 3 warp counts only")
     args = ap.parse_args()
     formats = args.formats.split(",")
+    global CONFIGS, SHAPES
+    if args.shapes:
+        SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.quick:
+        quick = {(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256),
+                 (16, 512), (32, 256)}
+        CONFIGS = [c for c in CONFIGS if c[:2] in quick and c[2] in (2, 4, 8)]
     jobs = [(fmt, configs_for(fmt)[i::args.jobs]) for fmt in formats for i in range(args.jobs)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:

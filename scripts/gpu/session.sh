@@ -17,6 +17,7 @@
 #   bash scripts/gpu/session.sh confirm # the same, shorter, printing the graph-vs-eager errors
 #   bash scripts/gpu/session.sh fused   # q1 GEMV, the MLP's GEMV prologues, PDL decode: tests,
 #                                       # decode A/B (prologue off / on / on + PDL), q1 tune
+#   bash scripts/gpu/session.sh q1      # the q1 GEMV: tests, a quick launch sweep, q1 decode
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -173,5 +174,16 @@ pdl)  # issues 4 and 6, after fused: PDL on by default, the q1 GEMV reading x on
         --out "$OUT/batch-bench.json" 2>&1 | quiet 4
     timeout "${TESTS_S:-330}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
+    ;;
+q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, then q1 decode
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
+        tests/ops/test_gemv_prologue.py tests/ops/test_triton_head.py -k q1 \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -6
+    timeout 240 python3 scripts/gpu/qgemv_tune.py --formats q1 --quick \
+        --shapes 6144x1024,1024x3584,248320x1024 --out "$OUT/qgemv-tune-q1.json" 2>&1 \
+        | grep -v -i warn | cut -c1-260 | tail -5
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
+        --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
+        | grep -E "^(decode|roofline)" | cut -c1-200
     ;;
 esac
