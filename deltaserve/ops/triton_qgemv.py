@@ -214,6 +214,8 @@ def whole_k_config(config: Config, bits: int, k: int) -> Config:
     """config with BLOCK_K covering all of K (next power of two) when that tile's codes stay
     within _TILE_BYTES_PER_THREAD: PDL then loads every weight of the program before its wait."""
     block_n, block_k, warps, stages, magic = config
+    if bits == 1:  # q1's registers go to the [rows, words, 32] sign tile, not to its codes
+        return config
     whole = triton.next_power_of_2(k)
     if block_n * whole * bits // 8 > _TILE_BYTES_PER_THREAD * 32 * warps:
         return config

@@ -179,7 +179,7 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
         tests/ops/test_gemv_prologue.py tests/ops/test_triton_head.py -k q1 \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -6
-    timeout 240 python3 scripts/gpu/qgemv_tune.py --formats q1 --quick \
+    DELTASERVE_PDL=0 timeout 240 python3 scripts/gpu/qgemv_tune.py --formats q1 --quick \
         --shapes 6144x1024,1024x3584,248320x1024 --out "$OUT/qgemv-tune-q1.json" 2>&1 \
         | grep -v -i warn | cut -c1-260 | tail -5
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
