@@ -170,7 +170,14 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }
-# q1 (bits 1): not tuned yet; 1024 columns per step is 8 groups of 128, 32 words per row.
+# q1 (bits 1) from `qgemv_tune.py --formats q1 --quick --shapes 6144x1024,1024x3584,248320x1024`
+# (27 configs, no PDL; docs/benchmarks/2026-11-30-h200-671e383-qgemv-tune-q1.json): q1 is bound by
+# the sign work, not by bytes (3% of copy on layers), so launch shapes move it little.
+TUNED.update({
+    (1, 1024, 0, 16384): (8, 1024, 8, 1, 0),  # 6144 rows: 7.90 us (DEFAULT 8.61)
+    (1, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 1024 rows: 6.36 us (DEFAULT 8.13)
+    (1, 1024, 16384, _BIG): (32, 256, 8, 1, 0),  # vocabulary head: 225.5 us (DEFAULT 233.3)
+})
 DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0), 1: (8, 1024, 4, 1, 0)}
 KINDS = (("int8", 8), ("affine", 4), ("q1", 1))
 
