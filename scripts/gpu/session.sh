@@ -18,6 +18,8 @@
 #   bash scripts/gpu/session.sh fused   # q1 GEMV, the MLP's GEMV prologues, PDL decode: tests,
 #                                       # decode A/B (prologue off / on / on + PDL), q1 tune
 #   bash scripts/gpu/session.sh q1      # the q1 GEMV: tests, a quick launch sweep, q1 decode
+#   bash scripts/gpu/session.sh capture # issue 6 experiment: a long prefill chunk eager vs replayed
+#                                       # from a CUDA graph (prefill_capture.py); q1 decode again
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -182,6 +184,13 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
     DELTASERVE_PDL=0 timeout 240 python3 scripts/gpu/qgemv_tune.py --formats q1 --quick \
         --shapes 6144x1024,1024x3584,248320x1024 --out "$OUT/qgemv-tune-q1.json" 2>&1 \
         | grep -v -i warn | cut -c1-260 | tail -5
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
+        --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
+        | grep -E "^(decode|roofline)" | cut -c1-200
+    ;;
+capture)  # issue 6: how fast is a long prefill without host work; issue 4: q1 with its TUNED shapes
+    timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192 \
+        --out "$OUT/prefill-capture.json" 2>&1 | grep -v -i warn | cut -c1-400 | tail -6
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
         --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
         | grep -E "^(decode|roofline)" | cut -c1-200

@@ -1,0 +1,108 @@
+"""H200, issue 6: how fast is a long prefill chunk without its host work? An experiment, not a path.
+
+    python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192 --out capture.json
+
+The 8k prefill is host-bound (profiled: 32 ms of kernels in 68 ms of wall time, ~680 launches,
+most of the gaps in fla's stage wrappers and small torch ops). This records the model's
+forward_batch for one fresh prompt of each length as the engine calls it (bf16, prefix cache off,
+one chunk), then times that same call eagerly and replayed from a CUDA graph, and checks that the
+replay gives the eager logits. If the capture fails (a host sync, a CPU-side decision inside
+fla), the error is the result. The answer says whether whole-chunk graphs (bucketed lengths, padding
+rows with neutral gates, as the short-prefill graphs do) could reach issue 6's 250k tok/s at 8k.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.env import env  # noqa: E402
+
+
+def _timed_ms(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _recorded_call(llm: LLM, ids: list[int]) -> tuple:
+    """(ids_t, batch, kwargs) of the forward_batch call that prefills `ids`."""
+    model, seen = llm.model, []
+    real = model.forward_batch
+
+    def spy(ids_t, batch, **kw):
+        if len(ids_t) == len(ids) and not seen:
+            seen.append((ids_t, batch, kw))
+        return real(ids_t, batch, **kw)
+
+    model.forward_batch = spy
+    try:
+        llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    finally:
+        model.forward_batch = real
+    if not seen:
+        raise RuntimeError(f"no single {len(ids)}-token forward_batch call was seen")
+    return seen[0]
+
+
+def measure(llm: LLM, n: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
+    ids_t, batch, kw = _recorded_call(llm, ids)
+    forward = llm.model.forward_batch
+    eager_out = forward(ids_t, batch, **kw).clone()
+    eager_ms = _timed_ms(lambda: forward(ids_t, batch, **kw), repeats)
+    row = {"tokens": n, "eager_ms": eager_ms, "eager_tok_s": n / statistics.median(eager_ms) * 1e3}
+    try:
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward(ids_t, batch, **kw)  # warm-up off the default stream, as capture wants
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = forward(ids_t, batch, **kw)
+    except Exception as exc:  # the experiment's answer: what stops a capture
+        row["capture_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        return row
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = (captured.float() - eager_out.float()).norm() / eager_out.float().norm()
+    replay_ms = _timed_ms(graph.replay, repeats)
+    row.update({"replay_ms": replay_ms, "replay_tok_s": n / statistics.median(replay_ms) * 1e3,
+                "replay_vs_eager_rel": diff.item(), "replay_equal": torch.equal(captured, eager_out)})
+    del graph
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lens", default="2048,8192")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", prefix_cache_bytes=0, max_num_seqs=4,
+              max_num_batched_tokens=8192)
+    rows = []
+    for n in (int(v) for v in args.lens.split(",")):
+        row = measure(llm, n, args.repeats)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
+    record = {"kind": "h200-prefill-capture", "git_commit": env().git_commit,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
