@@ -12,10 +12,14 @@ rows with neutral gates, as the short-prefill graphs do) could reach issue 6's 2
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -85,20 +89,55 @@ def measure(llm: LLM, n: int, repeats: int) -> dict:
     return row
 
 
+def why(llm: LLM, n: int) -> dict:
+    """Where a generate() of n tokens waits: the first synchronizing op inside forward_batch (sync
+    debug mode "error", its stack), and cProfile's top functions of one generate call."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
+    ids_t, batch, kw = _recorded_call(llm, ids)
+    torch.cuda.synchronize()
+    out: dict = {"tokens": n}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        llm.model.forward_batch(ids_t, batch, **kw)
+        out["first_sync"] = None
+    except RuntimeError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        out["first_sync"] = {"error": str(exc)[:200], "stack": [
+            f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:]]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate([ids], one)
+    prof.disable()
+    out["generate_ms"] = (time.perf_counter() - t0) * 1e3
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    out["profile"] = text.getvalue().splitlines()[-40:]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--lens", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--why", action="store_true", help="the first sync and a cProfile, not timings")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16", device="cuda", prefix_cache_bytes=0, max_num_seqs=4,
               max_num_batched_tokens=8192)
     rows = []
     for n in (int(v) for v in args.lens.split(",")):
-        row = measure(llm, n, args.repeats)
+        row = why(llm, n) if args.why else measure(llm, n, args.repeats)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
+        for line in row.get("profile", []):
+            print(line[:160])
     record = {"kind": "h200-prefill-capture", "git_commit": env().git_commit,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1))

@@ -188,6 +188,10 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
         --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
         | grep -E "^(decode|roofline)" | cut -c1-200
     ;;
+why)  # issue 6: what stops the capture (first sync inside forward_batch), cProfile of generate
+    timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
+        --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
+    ;;
 capture)  # issue 6: how fast is a long prefill without host work; issue 4: q1 with its TUNED shapes
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192 \
         --out "$OUT/prefill-capture.json" 2>&1 | grep -v -i warn | cut -c1-400 | tail -6
