@@ -35,6 +35,9 @@ class BiasLinear(Linear):
     ) -> torch.Tensor:
         return amx_or_linear(self, x, self.weight, self.bias, residual, gelu_tanh)
 
+    def fuses_prologue(self, x: torch.Tensor) -> bool:
+        return False  # forward's second argument is a residual, not a GEMV prologue
+
 
 def amx_or_linear(
     owner: nn.Module,

@@ -80,11 +80,15 @@ else:
 
 @functools.cache
 def pdl_supported() -> bool:
-    """Programmatic dependent launch needs Triton's launch_pdl (3.4+) and an sm_90+ GPU."""
-    if triton is None or not HAS_GDC or not torch.cuda.is_available():
+    """Programmatic dependent launch needs Triton's launch_pdl (3.4+), CUDA 12.3+ and an sm_90+
+    NVIDIA GPU (griddepcontrol is PTX)."""
+    if triton is None or not HAS_GDC or not torch.cuda.is_available() or torch.version.hip:
         return False
     major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability() >= (9, 0)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    # PDL edges survive CUDA-graph capture from CUDA 12.3
+    return (major, minor) >= (3, 4) and cuda >= (12, 3) \
+        and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def pdl_enabled() -> bool:

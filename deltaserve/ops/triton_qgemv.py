@@ -183,8 +183,13 @@ KINDS = (("int8", 8), ("affine", 4), ("q1", 1))
 
 
 def supports(scheme) -> bool:
-    """The packed layouts this kernel reads."""
+    """The packed layouts this kernel reads (q1: whole int32 words per group, a power of two)."""
+    if scheme.kind == "q1":
+        g = scheme.group_size
+        return g % 32 == 0 and g & (g - 1) == 0
     return (scheme.kind, scheme.bits) in KINDS
+
+
 # pdl=True / "tile": the best launch shape per Qwen3.5-0.8B shape in a chain of GEMVs of that
 # shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps), BLOCK_K widened to all of
 # K: `python scripts/gpu/qgemv_chain.py --sweep` on one H200, 2026-11-30 (the same winners in two
@@ -242,10 +247,13 @@ def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
     released before this one's wait). Ignored where pdl_supported() is False. Without a config,
     True / "tile" take TUNED_PDL's launch shapes. None: "tile" where the engine's decode kernels
     launch with PDL (ops/backend.pdl_enabled), else False."""
-    if pdl is None:
-        pdl = "tile" if pdl_enabled() else False
+    if pdl is None:  # an explicit config runs as given (tests, sweeps); the engine passes none
+        pdl = "tile" if pdl_enabled() and config is None else False
     w = _words(p, scheme)
     n, k = w.shape[0], gemv_prologue.gemv_cols(x, prologue)
+    if p["scales"].shape[-1] * scheme.group_size != k:
+        raise ValueError(f"qgemv_cuda: x gives {k} inputs, the packed weight has "
+                         f"{p['scales'].shape[-1] * scheme.group_size}")
     gemv_prologue.check(x, prologue, k)
     table = TUNED_PDL if pdl in (True, "tile") else None
     config = config or config_for(scheme.bits, n, k, table)
@@ -270,11 +278,9 @@ def _words(p: dict, scheme) -> torch.Tensor:
     """The packed weight as the kernel loads it: int8 codes, or int32 words (int4: uint32 words;
     q1: uint8 bytes, four to a word, lowest byte first, so bit j of word i is element 32 i + j)."""
     w = p["weight"]
-    if scheme.kind == "int8":
-        return w
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    return w.view(torch.int32)
+    if not w.is_contiguous():  # (a copy here would be read before a PDL wait: loaded ones are)
+        raise ValueError("qgemv_cuda: packed weights must be contiguous")
+    return w if scheme.kind == "int8" else w.view(torch.int32)
 
 
 def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,

@@ -102,42 +102,75 @@ def test_overlapped_graph_decode_equals_the_plain_engine(tiny_dir, greedy_head) 
     assert engine.runner.graphs.graphs, "no step was replayed from a graph"
 
 
+def _int8_runs(model_dir, monkeypatch, dtype: str, knob: str, spy=None) -> dict:
+    """Greedy tokens and per-step logits of three prompts through a one-slot engine (batch-1
+    decode rows, CUDA graphs) with env `knob` = "0" and "1"; spy(setting) after each run."""
+    from deltaserve import LLM
+    from deltaserve.engine.sampling import SamplingParams
+    from deltaserve.env import env
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = prompts_of([5, 150, 33])
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(knob, setting)
+        env.cache_clear()
+        engine = make_engine(LLM(model_dir, dtype=dtype, device="cuda"), num_slots=1,
+                             prefix_bytes=0)
+        seen = capture(engine)
+        results[setting] = (run_all(engine, prompts, params), seen)
+        assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+        if spy is not None:
+            spy(setting)
+    return results
+
+
+def _assert_runs_agree(results, dtype: str) -> None:
+    (tok0, seen0), (tok1, seen1) = results["0"], results["1"]
+    if dtype == "float32":
+        assert tok0 == tok1
+    bound = 1e-5 if dtype == "float32" else 2e-2
+    for rid in tok0:  # bf16: up to the first token that differs (a near-tie), inputs are equal
+        pairs = zip(tok0[rid], tok1[rid], strict=True)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(tok0[rid]))
+        steps = min(same + 1, len(seen0[rid]))
+        assert rel(torch.stack(seen1[rid][:steps]).cpu(),
+                   torch.stack(seen0[rid][:steps]).cpu()) <= bound, rid
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlp_prologue_decode_equals_the_separate_kernels(tiny_dir, tmp_path, monkeypatch,
                                                          dtype) -> None:
     """Batch-1 decode rows on int8 weights: the MLP as two GEMVs that compute the add + norm and
     silu * mul themselves (ops/gemv_prologue) against the five separate kernels, in CUDA graphs."""
-    from deltaserve import LLM
-    from deltaserve.engine.sampling import SamplingParams
-    from deltaserve.env import env
     from deltaserve.ops import gemv_prologue
     from deltaserve.quant.convert import quantize_checkpoint
 
     quantize_checkpoint(tiny_dir, "int8", tmp_path / "q")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = prompts_of([5, 150, 33])
     modes = []
     kernel_args = gemv_prologue.kernel_args
     monkeypatch.setattr(gemv_prologue, "kernel_args",
                         lambda x, p: modes.append(kernel_args(x, p)["XMODE"]) or kernel_args(x, p))
-    results = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("DELTASERVE_GEMV_PROLOGUE", fused)
-        env.cache_clear()
+
+    def took_the_prologues(setting: str) -> None:
+        assert ({1, 2} <= set(modes)) == (setting == "1"), set(modes)
         modes.clear()
-        engine = make_engine(LLM(tmp_path / "q", dtype=dtype, device="cuda"), num_slots=1,
-                             prefix_bytes=0)
-        seen = capture(engine)
-        results[fused] = (run_all(engine, prompts, params), seen)
-        assert ({1, 2} <= set(modes)) == (fused == "1"), set(modes)
-    (tok0, seen0), (tok1, seen1) = results["0"], results["1"]
-    if dtype == "float32":
-        assert tok0 == tok1
-    bound = 1e-5 if dtype == "float32" else 2e-2
-    for rid in prompts:  # bf16: up to the first token that differs (a near-tie), inputs are equal
-        pairs = zip(tok0[rid], tok1[rid], strict=True)
-        same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(tok0[rid]))
-        steps = min(same + 1, len(seen0[rid]))
-        assert rel(torch.stack(seen1[rid][:steps]).cpu(),
-                   torch.stack(seen0[rid][:steps]).cpu()) <= bound, rid
+
+    results = _int8_runs(tmp_path / "q", monkeypatch, dtype, "DELTASERVE_GEMV_PROLOGUE",
+                         took_the_prologues)
+    _assert_runs_agree(results, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_decode_equals_plain_launches(tiny_dir, tmp_path, monkeypatch) -> None:
+    """Programmatic dependent launch changes when kernels start, never what they compute: fp32,
+    int8 weights (GEMVs with their weights loaded before the wait), tokens identical."""
+    from deltaserve.ops.backend import pdl_supported
+    from deltaserve.quant.convert import quantize_checkpoint
+
+    if not pdl_supported():
+        pytest.skip("PDL needs an sm_90+ GPU, CUDA 12.3+ and Triton 3.4+")
+    quantize_checkpoint(tiny_dir, "int8", tmp_path / "q")
+    _assert_runs_agree(_int8_runs(tmp_path / "q", monkeypatch, "float32", "DELTASERVE_PDL"),
+                       "float32")

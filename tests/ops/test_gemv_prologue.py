@@ -1,6 +1,8 @@
 """GEMVs that compute the MLP's add + RMSNorm or silu * mul themselves (ops/gemv_prologue), against
-the separate ops followed by the plain GEMV. Kernel cases run on the H200 (and under
-TRITON_INTERPRET=1 on CPU); the fallback of a layer without a fused kernel runs everywhere."""
+the separate ops followed by the same GEMV (same launch config) on their output. Kernel cases run on
+the H200; under TRITON_INTERPRET=1 on CPU only the fp32 ones agree (the interpreter truncates
+fp32 -> bf16 casts where the separate ops round). The fallback of a layer without a fused kernel
+runs everywhere."""
 
 from __future__ import annotations
 
@@ -50,10 +52,21 @@ def test_dense_gemv_prologue_matches_the_separate_ops(kind, dtype, rows, cols, c
     x, prologue = _prologue(kind, cols, dtype, KDEV)
     h, total = _reference(x, prologue)
     out = triton_gemv.gemv16_cuda(x, weight, config, prologue=prologue)
-    ref = F.linear(h.float(), weight.float())
     assert out.dtype == dtype
-    assert rel(out, ref) <= (8e-3 if dtype == torch.bfloat16 else 1e-5)
-    if total is not None:
+    assert rel(out, F.linear(h.float(), weight.float())) <= (8e-3 if dtype == torch.bfloat16 else 1e-5)
+    _assert_as_separate(out, triton_gemv.gemv16_cuda(h, weight, config), prologue, total, dtype)
+
+
+def _assert_as_separate(out, unfused, prologue, total, dtype) -> None:
+    """The fused GEMV against the same GEMV on the separate ops' output: silu*mul gives the same x
+    bits, so the same y bits; AddNorm's rstd may be reduced in another order (a last-bit
+    difference that can move one bf16 element of x by an ulp), and its sum is bit-identical."""
+    if KDEV != "cuda" and dtype != torch.float32:
+        return  # the interpreter's truncating bf16 casts (module docstring)
+    if isinstance(prologue, SiluMul):
+        assert torch.equal(out, unfused)
+    else:
+        assert rel(out, unfused) <= (2e-3 if dtype == torch.bfloat16 else 1e-6)
         assert torch.equal(prologue.total, total)  # the residual stream: the same bits
 
 
@@ -71,10 +84,8 @@ def test_packed_gemv_prologue_matches_the_separate_ops(kind, fmt, dtype) -> None
     x, prologue = _prologue(kind, cols, dtype, KDEV)
     h, total = _reference(x, prologue)
     out = triton_qgemv.qgemv_cuda(x, packed, scheme, prologue=prologue)
-    ref = qgemv_ref(h.float(), packed, scheme)
-    assert rel(out, ref) <= (8e-3 if dtype == torch.bfloat16 else 1e-5)
-    if total is not None:
-        assert torch.equal(prologue.total, total)
+    assert rel(out, qgemv_ref(h.float(), packed, scheme)) <= (8e-3 if dtype == torch.bfloat16 else 1e-5)
+    _assert_as_separate(out, triton_qgemv.qgemv_cuda(h, packed, scheme), prologue, total, dtype)
 
 
 def test_a_layer_without_a_fused_kernel_runs_the_separate_ops_first() -> None:
