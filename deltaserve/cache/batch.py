@@ -74,6 +74,10 @@ class StepBatch:
         default_factory=dict
     )
     tables: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> its block table
+    # steps with prefill or verify chunks: decode_rows / attend_rows / logit_rows as device index
+    # tensors, copied in build (a Python list as an index is a pageable copy mid-forward, which
+    # waits for all queued GPU work: one stall per use, ~100 per mixed step)
+    row_index: dict[str, torch.Tensor] = field(default_factory=dict)
     # a captured prefill graph's one padded chunk (engine/prefill_graph.py); then the chunk's rows
     # attend as decode rows (decode_tables / decode_lengths) and prefill, decode, verify are empty
     graph_chunk: GraphChunk | None = None
@@ -102,6 +106,8 @@ class StepBatch:
         batch.positions, batch.kv_blocks, batch.kv_rows = host_to_device(places, device)
         for i in batch.prefill:  # before any GPU work: a copy mid-forward would wait for it
             batch.chunk_table(i, device)
+        if batch.prefill or batch.verify:
+            batch._index_rows(device)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         if batch.decode:
             batch.decode_slots = as_long([chunks[i].slot for i in batch.decode])
@@ -117,6 +123,17 @@ class StepBatch:
             batch.decode_lengths = as_long([length for _, length in att])
         return batch
 
+    def _index_rows(self, device) -> None:
+        """row_index: the row lists of a step with prefill or verify chunks, in one copy."""
+        lists = {"decode": self._decode_rows(), "attend": self._attend_rows(),
+                 "logit": self.logit_rows()}
+        lists = {k: v for k, v in lists.items() if not isinstance(v, slice)}
+        flat = host_to_device(np.concatenate([np.asarray(v, np.int64) for v in lists.values()]),
+                              device)
+        at = 0
+        for name, rows in lists.items():
+            self.row_index[name], at = flat[at : at + len(rows)], at + len(rows)
+
     def decode_mask(self) -> torch.Tensor:
         """[BD,1,1,NBmax*L] True = attend: the padded key range of the decode rows, masked."""
         width = self.decode_tables.shape[1] * self.kv.block_len
@@ -127,16 +144,26 @@ class StepBatch:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    def decode_rows(self) -> slice | list[int]:
-        """Flat rows of the decode chunks: a slice when the step is all decodes (no host-built
-        index tensor, so the step can be captured in a CUDA graph)."""
+    def decode_rows(self) -> slice | torch.Tensor:
+        """Flat rows of the decode chunks: a slice when the step is all decodes (so the step can
+        be captured in a CUDA graph), else a device index tensor (row_index)."""
+        return self.row_index.get("decode", slice(None))
+
+    def attend_rows(self) -> slice | torch.Tensor:
+        """Flat rows that attend as decodes (decode_tables' rows): decode chunks and every row of
+        a verify chunk; a slice when there is no prefill chunk, else a device index tensor."""
+        return self.row_index.get("attend", slice(None))
+
+    def logit_index(self) -> torch.Tensor | None:
+        """logit_rows as a device index tensor (steps with prefill or verify chunks), or None."""
+        return self.row_index.get("logit")
+
+    def _decode_rows(self) -> slice | list[int]:
         if not self.prefill and not self.verify:
             return slice(None)
         return [self.offsets[i] for i in self.decode]
 
-    def attend_rows(self) -> slice | list[int]:
-        """Flat rows that attend as decodes (decode_tables' rows): decode chunks and every row of
-        a verify chunk; a slice when there is no prefill chunk."""
+    def _attend_rows(self) -> slice | list[int]:
         if not self.prefill:
             return slice(None)
         return [self.offsets[i] + j for i, c in enumerate(self.chunks)

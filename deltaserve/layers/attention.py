@@ -109,7 +109,7 @@ class GatedAttention(nn.Module):
         scale = dim**-0.5
         if batch.decode_tables is not None:
             rows = batch.attend_rows()
-            rows = None if isinstance(rows, slice) else torch.tensor(rows, device=x.device)
+            rows = None if isinstance(rows, slice) else rows
             ta.paged_decode_attention_cuda(q, proj, k_pool, v_pool, batch.decode_tables,
                                            batch.decode_lengths, scale, out, rows)
         for i in batch.prefill:

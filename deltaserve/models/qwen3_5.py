@@ -178,7 +178,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
             h = h[0].index_select(0, batch.graph_chunk.last_row())
         else:
-            h = h[0] if all_logits or not batch.prefill else h[0, batch.logit_rows()]
+            h = h[0] if all_logits or not batch.prefill else h[0].index_select(
+                0, batch.logit_index())
         out = self._head(h, greedy)
         return out if pp is None else pp.share(out, tuple(out.shape), out.dtype)
 
