@@ -59,3 +59,33 @@ def test_without_cuda_everything_is_portable(monkeypatch) -> None:
     monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: False)
     assert choose(monkeypatch, "triton") == "portable"
     backend._resolve.cache_clear()
+
+
+@pytest.mark.skipif(backend.triton is None or not backend.HAS_GDC,
+                    reason="needs Triton with grid-dependency control (3.4+)")
+@pytest.mark.parametrize(("capability", "cuda", "hip", "flag", "expected"), [
+    ((9, 0), "13.0", None, None, True),  # Hopper, default on
+    ((9, 0), "13.0", None, "0", False),  # DELTASERVE_PDL=0
+    ((8, 9), "13.0", None, None, False),  # no griddepcontrol before sm_90
+    ((9, 0), "12.2", None, None, False),  # graph capture keeps PDL edges from CUDA 12.3
+    ((9, 4), None, "6.4", None, False),  # ROCm reports a capability too
+])
+def test_pdl_only_where_the_gpu_and_toolkit_have_it(monkeypatch, capability, cuda, hip, flag,
+                                                    expected) -> None:
+    monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend.torch.cuda, "get_device_capability", lambda: capability)
+    monkeypatch.setattr(backend.torch.version, "cuda", cuda)
+    monkeypatch.setattr(backend.torch.version, "hip", hip)
+    if flag is None:
+        monkeypatch.delenv("DELTASERVE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("DELTASERVE_PDL", flag)
+    env.cache_clear()
+    backend.pdl_supported.cache_clear()
+    try:
+        assert backend.pdl_enabled() is expected
+        assert backend.pdl_args() == ({"PDL": True, "launch_pdl": True} if expected
+                                      else {"PDL": False})
+    finally:
+        backend.pdl_supported.cache_clear()
+        env.cache_clear()
