@@ -125,9 +125,10 @@ class StepBatch:
 
     def _index_rows(self, device) -> None:
         """row_index: the row lists of a step with prefill or verify chunks, in one copy."""
-        lists = {"decode": self._decode_rows(), "attend": self._attend_rows(),
-                 "logit": self.logit_rows()}
-        lists = {k: v for k, v in lists.items() if not isinstance(v, slice)}
+        lists = {"decode": [self.offsets[i] for i in self.decode], "logit": self.logit_rows()}
+        if self.prefill:  # (without one, every row attends as a decode: a slice)
+            lists["attend"] = [self.offsets[i] + j for i, c in enumerate(self.chunks)
+                               if i not in self.prefill for j in range(c.num_tokens)]
         flat = host_to_device(np.concatenate([np.asarray(v, np.int64) for v in lists.values()]),
                               device)
         at = 0
@@ -157,17 +158,6 @@ class StepBatch:
     def logit_index(self) -> torch.Tensor | None:
         """logit_rows as a device index tensor (steps with prefill or verify chunks), or None."""
         return self.row_index.get("logit")
-
-    def _decode_rows(self) -> slice | list[int]:
-        if not self.prefill and not self.verify:
-            return slice(None)
-        return [self.offsets[i] for i in self.decode]
-
-    def _attend_rows(self) -> slice | list[int]:
-        if not self.prefill:
-            return slice(None)
-        return [self.offsets[i] + j for i, c in enumerate(self.chunks)
-                if i not in self.prefill for j in range(c.num_tokens)]
 
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.chunks[i].num_tokens)

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.env import env
-from deltaserve.ops import triton_gemv
-from deltaserve.ops import triton_qgemv as triton_gemv_q
+from deltaserve.ops import triton_gemv, triton_qgemv
 from deltaserve.ops.gemv import gemm_small, gemv
 from deltaserve.ops.gemv_prologue import Prologue, apply_ref
 
@@ -74,7 +73,7 @@ class Linear(nn.Module):
             return _triton_gemv(x, self.weight)
         from deltaserve.quant.linear import decode_gemv
 
-        return decode_gemv(x, self.scheme) is triton_gemv_q.qgemv_cuda
+        return decode_gemv(x, self.scheme) is triton_qgemv.qgemv_cuda
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.out_sizes, dim=-1)

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from deltaserve.layers.linear import Linear
-from deltaserve.ops.activation import silu_mul
 from deltaserve.ops.gemv_prologue import Prologue, SiluMul
 
 
@@ -19,9 +18,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
-        """prologue: what gate|up's GEMV computes from x first (ops/gemv_prologue). A decode row
-        on the Triton GEMVs also runs silu * mul inside the down GEMV: two kernels for the MLP."""
-        gate_up = self.gate_up_proj(x, prologue)
-        if self.down_proj.fuses_prologue(gate_up):
-            return self.down_proj(gate_up, SiluMul())
-        return self.down_proj(silu_mul(gate_up))
+        """prologue: what gate|up's GEMV computes from x first (ops/gemv_prologue). silu * mul is
+        down's prologue: inside its GEMV for a decode row on the Triton GEMVs (two kernels for the
+        MLP), else the separate op (Linear.forward)."""
+        return self.down_proj(self.gate_up_proj(x, prologue), SiluMul())

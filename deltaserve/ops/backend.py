@@ -87,8 +87,7 @@ def pdl_supported() -> bool:
     major, minor = (int(v) for v in triton.__version__.split(".")[:2])
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     # PDL edges survive CUDA-graph capture from CUDA 12.3
-    return (major, minor) >= (3, 4) and cuda >= (12, 3) \
-        and torch.cuda.get_device_capability() >= (9, 0)
+    return (major, minor) >= (3, 4) and cuda >= (12, 3) and _capability() >= (9, 0)
 
 
 def pdl_enabled() -> bool:
@@ -106,4 +105,5 @@ def pdl_launch(on: bool) -> dict:
 
 def pdl_args() -> dict:
     """A decode kernel's PDL constexpr and launch keyword, as pdl_enabled() says."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}
+    on = pdl_enabled()
+    return {"PDL": on, **pdl_launch(on)}

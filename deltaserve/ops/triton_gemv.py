@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.ops import gemv_prologue
-from deltaserve.ops.backend import pdl_enabled, pdl_launch, tl, triton
+from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 if triton is not None:
@@ -115,11 +115,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: Config,
     else:
         y = torch.empty(split_k, n, dtype=torch.float32, device=x.device)
         k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    pdl = pdl_enabled()
     _gemv16_kernel[(triton.cdiv(n, block_n), split_k)](
         weight, x, y, n, k, k_per_split, **gemv_prologue.kernel_args(x, prologue),
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PDL=pdl, num_warps=warps,
-        num_stages=stages, **pdl_launch(pdl))
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, num_stages=stages,
+        **pdl_args())
     if split_k == 1:
         return y
     return y.sum(dim=0, keepdim=True).to(x.dtype)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.ops import gemv_prologue
-from deltaserve.ops.backend import pdl_enabled, pdl_supported, tl, triton
+from deltaserve.ops.backend import pdl_enabled, pdl_launch, pdl_supported, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 if triton is not None:
@@ -179,15 +179,15 @@ TUNED.update({
     (1, 1024, 16384, _BIG): (32, 256, 8, 1, 0),  # vocabulary head: 225.5 us (DEFAULT 233.3)
 })
 DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0), 1: (8, 1024, 4, 1, 0)}
-KINDS = (("int8", 8), ("affine", 4), ("q1", 1))
 
 
 def supports(scheme) -> bool:
-    """The packed layouts this kernel reads (q1: whole int32 words per group, a power of two)."""
+    """The packed layouts this kernel reads: int8, 4-bit affine, and q1 in power-of-two groups
+    of whole int32 words."""
     if scheme.kind == "q1":
         g = scheme.group_size
         return g % 32 == 0 and g & (g - 1) == 0
-    return (scheme.kind, scheme.bits) in KINDS
+    return (scheme.kind, scheme.bits) in (("int8", 8), ("affine", 4))
 
 
 # pdl=True / "tile": the best launch shape per Qwen3.5-0.8B shape in a chain of GEMVs of that
@@ -295,9 +295,8 @@ def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tens
     block_n, block_k, warps, stages, magic = config
     block_k = max(block_k, scheme.group_size)
     biases = p.get("biases", p["scales"])
-    extra = {"launch_pdl": True} if mode else {}  # no keyword at all on the default path
     return _gemv_kernel[(triton.cdiv(n, block_n),)](
         w, p["scales"], biases, x, y, yi, n, k, **gemv_prologue.kernel_args(x, prologue),
         G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
-        MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages, **extra)
+        MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages, **pdl_launch(bool(mode)))

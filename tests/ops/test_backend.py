@@ -23,12 +23,17 @@ def gpu(monkeypatch):
     backend._resolve.cache_clear()
 
 
-def choose(monkeypatch, value: str | None) -> str:
+def set_env(monkeypatch, name: str, value: str | None) -> None:
+    """name=value in the environment (None: unset), re-read by env()."""
     if value is None:
-        monkeypatch.delenv("DELTASERVE_GPU_BACKEND", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("DELTASERVE_GPU_BACKEND", value)
+        monkeypatch.setenv(name, value)
     env.cache_clear()
+
+
+def choose(monkeypatch, value: str | None) -> str:
+    set_env(monkeypatch, "DELTASERVE_GPU_BACKEND", value)
     backend._resolve.cache_clear()
     return backend.gpu_backend()
 
@@ -76,14 +81,10 @@ def test_pdl_only_where_the_gpu_and_toolkit_have_it(monkeypatch, capability, cud
     monkeypatch.setattr(backend, "triton", SimpleNamespace(__version__="3.6.0"))
     monkeypatch.setattr(backend, "HAS_GDC", True)
     monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(backend.torch.cuda, "get_device_capability", lambda: capability)
+    monkeypatch.setattr(backend, "_capability", lambda: capability)
     monkeypatch.setattr(backend.torch.version, "cuda", cuda)
     monkeypatch.setattr(backend.torch.version, "hip", hip)
-    if flag is None:
-        monkeypatch.delenv("DELTASERVE_PDL", raising=False)
-    else:
-        monkeypatch.setenv("DELTASERVE_PDL", flag)
-    env.cache_clear()
+    set_env(monkeypatch, "DELTASERVE_PDL", flag)
     backend.pdl_supported.cache_clear()
     try:
         assert backend.pdl_enabled() is expected
