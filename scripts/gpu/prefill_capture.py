@@ -67,7 +67,10 @@ def measure(llm: LLM, n: int, repeats: int) -> dict:
     forward = llm.model.forward_batch
     eager_out = forward(ids_t, batch, **kw).clone()
     eager_ms = _timed_ms(lambda: forward(ids_t, batch, **kw), repeats)
-    row = {"tokens": n, "eager_ms": eager_ms, "eager_tok_s": n / statistics.median(eager_ms) * 1e3}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    generate_ms = _timed_ms(lambda: llm.generate([ids], one), repeats)  # the engine around it
+    row = {"tokens": n, "eager_ms": eager_ms, "eager_tok_s": n / statistics.median(eager_ms) * 1e3,
+           "generate_ms": generate_ms, "generate_median_ms": statistics.median(generate_ms)}
     try:
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -121,6 +124,30 @@ def why(llm: LLM, n: int) -> dict:
     return out
 
 
+def kernels(llm: LLM, n: int) -> dict:
+    """The eager forward of one fresh n-token chunk under torch.profiler: every kernel name with
+    its count and total microseconds, busiest first (what a whole-chunk graph would still pay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
+    ids_t, batch, kw = _recorded_call(llm, ids)
+    llm.model.forward_batch(ids_t, batch, **kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.model.forward_batch(ids_t, batch, **kw)
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = table.setdefault(e.name[:150], [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+    ranked = sorted(table.items(), key=lambda kv: -kv[1][1])
+    return {"tokens": n, "busy_us": sum(v[1] for _, v in ranked),
+            "kernels": [[name, int(c), round(us, 1)] for name, (c, us) in ranked[:45]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -128,14 +155,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--why", action="store_true", help="the first sync and a cProfile, not timings")
+    ap.add_argument("--kernels", action="store_true", help="the eager forward's kernel table")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16", device="cuda", prefix_cache_bytes=0, max_num_seqs=4,
               max_num_batched_tokens=8192)
     rows = []
     for n in (int(v) for v in args.lens.split(",")):
-        row = why(llm, n) if args.why else measure(llm, n, args.repeats)
+        row = why(llm, n) if args.why else kernels(llm, n) if args.kernels else \
+            measure(llm, n, args.repeats)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
+        for name, count, us in row.get("kernels", []):
+            print(f"{us:9.1f} us {count:4d}x  {name[:120]}")
         for line in row.get("profile", []):
             print(line[:160])
     record = {"kind": "h200-prefill-capture", "git_commit": env().git_commit,

@@ -192,6 +192,15 @@ why)  # issue 6: what stops the capture (first sync inside forward_batch), cProf
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
         --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
     ;;
+long)  # issue 6: the tests changed last, the 8k forward's kernels, capture at HEAD, prefill tiers
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_gemv_prologue.py \
+        tests/engine/test_cuda_graphs.py tests/cache tests/engine/test_prefill_graph.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
+    timeout 120 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --kernels \
+        --out "$OUT/prefill-kernels.json" 2>&1 | grep -v -i warn | cut -c1-200 | tail -48
+    timeout 150 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192 \
+        --out "$OUT/prefill-capture.json" 2>&1 | grep -v -i warn | cut -c1-400 | tail -6
+    ;;
 capture)  # issue 6: how fast is a long prefill without host work; issue 4: q1 with its TUNED shapes
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192 \
         --out "$OUT/prefill-capture.json" 2>&1 | grep -v -i warn | cut -c1-400 | tail -6
