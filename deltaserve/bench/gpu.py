@@ -10,6 +10,7 @@ above a stop temperature; it never changes clocks or power settings.
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import tempfile
 import time
@@ -189,8 +190,12 @@ def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: st
     return out
 
 
+PREFILL_REPEATS = 5
+
+
 def prefill_tiers(llm, lens: list[int], gen: torch.Generator) -> dict:
-    """tok/s per prompt length (a warm-up call first), and the attribution of the 8k prefill."""
+    """tok/s per prompt length (a warm-up call, then the median of PREFILL_REPEATS calls), and the
+    attribution of the 8k prefill."""
     from deltaserve.bench.attribution import profile_call
     from deltaserve.engine.sampling import SamplingParams
 
@@ -202,10 +207,14 @@ def prefill_tiers(llm, lens: list[int], gen: torch.Generator) -> dict:
             continue
         ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
         llm.generate([ids], one)  # warm-up: kernels for these shapes
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([ids], one)
-        out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
+        runs_s = []
+        for _ in range(PREFILL_REPEATS):  # the median: one call may still meet rising clocks
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([ids], one)
+            runs_s.append(time.perf_counter() - t0)
+        out[f"prefill_{n}_tok_s"] = n / statistics.median(runs_s)
+        out[f"prefill_{n}_runs_tok_s"] = [round(n / t) for t in runs_s]
         if n == 8192:  # where a long prefill's time goes (the profiler's own overhead included)
             out["prefill_8192_attribution"] = profile_call(lambda ids=ids: llm.generate([ids], one))
     return out
