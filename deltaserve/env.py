@@ -43,6 +43,10 @@ class Env:
     # DELTASERVE_PDL=0: Triton kernels launch without programmatic dependent launch (which they
     # use on sm_90+ GPUs: ops/backend.pdl_enabled)
     pdl: bool
+    # DELTASERVE_CONV_QKV=0: a long 16-bit GPU prefill's conv writes q|k|v as one tensor, which
+    # fla's l2norm then copies and normalises, instead of contiguous normalised q, k and v
+    # (ops/triton_conv1d.causal_conv1d_qkv_cuda)
+    conv_qkv: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -69,6 +73,7 @@ class Env:
             amx=_flag("DELTASERVE_AMX", default=True),
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
             pdl=_flag("DELTASERVE_PDL", default=True),
+            conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

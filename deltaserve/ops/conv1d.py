@@ -35,6 +35,29 @@ def causal_conv1d(
     return F.silu(out), new_window
 
 
+def qkv_conv_usable(x: torch.Tensor, width: int, key_dim: int, head_dim: int) -> bool:
+    """causal_conv1d_qkv runs for x: the Triton prefill conv with whole heads per tile, at least
+    W-1 tokens (the new window is the chunk's own last inputs)."""
+    from deltaserve.env import env
+    from deltaserve.ops import triton_conv1d
+
+    return (env().conv_qkv and x.shape[1] >= width - 1 and _triton_prefill(x)
+            and triton_conv1d.qkv_usable(key_dim, head_dim))
+
+
+def causal_conv1d_qkv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                      key_dim: int, head_dim: int):
+    """causal_conv1d for fla's stages (qkv_conv_usable(x)): (l2norm(q), l2norm(k), v, each
+    contiguous [B,T,*], new window [B,C,W-1]); spec: causal_conv1d_qkv_ref."""
+    from deltaserve.ops.triton_conv1d import causal_conv1d_qkv_cuda
+
+    width = weight.shape[-1]
+    if x.shape[1] < width - 1:
+        raise ValueError(f"the qkv conv needs at least {width - 1} tokens, got {x.shape[1]}")
+    new_window = x[:, x.shape[1] - (width - 1) :].transpose(1, 2).to(window.dtype).contiguous()
+    return (*causal_conv1d_qkv_cuda(x, weight, window, key_dim, head_dim), new_window)
+
+
 def _triton_prefill(x: torch.Tensor) -> bool:
     """16-bit CUDA prefill chunks: the one-pass Triton conv (fp32 keeps torch's, as transformers
     computes it, for the fp32 parity margins)."""
@@ -57,3 +80,19 @@ def causal_conv1d_ref(
     for tap in range(width):
         out += full[:, tap : tap + seq_len] * weight[:, tap].float()
     return F.silu(out)
+
+
+def causal_conv1d_qkv_ref(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None,
+                          key_dim: int, head_dim: int, eps: float = 1e-6
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec for triton_conv1d.causal_conv1d_qkv_cuda: the conv rounded to x's dtype, split
+    into q, k (key_dim each) and v, q and k L2-normalised per head (x / sqrt(sum x^2 + eps),
+    fp32) and rounded again."""
+    out = causal_conv1d_ref(x, weight, window).to(x.dtype)
+    q, k, v = out.split([key_dim, key_dim, out.shape[-1] - 2 * key_dim], dim=-1)
+
+    def l2(t: torch.Tensor) -> torch.Tensor:
+        heads = t.float().unflatten(-1, (-1, head_dim))
+        return (heads / torch.sqrt((heads * heads).sum(-1, keepdim=True) + eps)).flatten(-2)
+
+    return l2(q).to(x.dtype), l2(k).to(x.dtype), v.contiguous()

@@ -62,12 +62,14 @@ def _aligned_span(q, k, v, g, beta, state, cuts, on_stop):
 
 def fla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, state: torch.Tensor, stops: tuple[int, ...] = (),
-                on_boundary=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops/gdn.gdn_prefill's contract (16-bit q, k, v on CUDA; qk L2 norms inside). Returns
+                on_boundary=None, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/gdn.gdn_prefill's contract (16-bit q, k, v on CUDA; qk L2 norms inside unless
+    qk_normed: the conv normalised them, ops/conv1d.causal_conv1d_qkv). Returns
     (o [B,T,HV,V] in q's dtype, final state fp32)."""
-    l2norm, *_ = _stages()
-    q, _ = l2norm(q.contiguous())
-    k, _ = l2norm(k.contiguous())
+    if not qk_normed:
+        l2norm, *_ = _stages()
+        q, _ = l2norm(q.contiguous())
+        k, _ = l2norm(k.contiguous())
     v, g = v.contiguous(), g.float().contiguous()
     state = state.float().contiguous()  # the state pass indexes its initial state as contiguous
     beta = beta.to(q.dtype).contiguous()

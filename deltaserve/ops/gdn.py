@@ -165,25 +165,45 @@ SCAN_MAX_TOKENS = 128  # CUDA: chunks up to this many tokens take the one-launch
 def scan_kernel_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
     """ops/triton_gdn_scan for a short chunk on CUDA (triton backend): one launch per layer where
     fla's kernel costs ~0.7 ms of host time (SCAN_MAX_TOKENS: scripts/gpu/scan_tune.py)."""
+    return _scan_kernel_takes(q, q.shape[1], q.shape[-1], v.shape[-1])
+
+
+def _scan_kernel_takes(x: torch.Tensor, seq_len: int, k_dim: int, v_dim: int) -> bool:
     from deltaserve.env import env
     from deltaserve.ops.backend import triton_enabled
 
-    k_dim = q.shape[-1]
-    return (q.is_cuda and q.shape[1] <= SCAN_MAX_TOKENS and v.shape[-1] % 32 == 0
+    return (x.is_cuda and seq_len <= SCAN_MAX_TOKENS and v_dim % 32 == 0
             and k_dim & (k_dim - 1) == 0 and not env().reference_ops and triton_enabled())
+
+
+def takes_fla_stages(x: torch.Tensor, k_dim: int, v_dim: int) -> bool:
+    """gdn_prefill on a chunk like x [B,T,...] runs ops/fla_scan's stages (so its q and k may come
+    L2-normalised already: qk_normed)."""
+    if _scan_kernel_takes(x, x.shape[1], k_dim, v_dim) or not fla_usable(x):
+        return False
+    from deltaserve.ops.fla_scan import stages_available
+
+    return stages_available()
 
 
 def gdn_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None,
+    state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None, qk_normed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill scan with qk L2 norms. q, k [B,T,H,K] (H key heads: value head h reads key
+    """The prefill scan with qk L2 norms (qk_normed: q and k come normalised, contiguous; only
+    where takes_fla_stages). q, k [B,T,H,K] (H key heads: value head h reads key
     head h // (HV/H)); v [B,T,HV,V]; g, beta [B,T,HV] fp32; state [B,HV,K,V] fp32 (read, not
     written). Returns (o [B,T,HV,V], final state fp32); on_boundary(n, state) is called at least
     at each n in `stops` (token counts, sorted, in (0, T]).
 
     Short chunks on CUDA: the recurrent Triton scan; longer 16-bit ones: fla-core's stages
     (ops/fla_scan, one pass over all segments between stops); else gdn_chunked."""
+    if qk_normed:
+        from deltaserve.ops.fla_scan import fla_prefill
+
+        if not takes_fla_stages(q, q.shape[-1], v.shape[-1]):
+            raise ValueError("qk_normed inputs are for fla's stages only")
+        return fla_prefill(q, k, v, g, beta, state, stops, on_boundary, qk_normed=True)
     if scan_kernel_usable(q, v):
         from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
 

@@ -88,3 +88,57 @@ def test_fla_stage_driver_matches_one_public_call_per_segment(stops) -> None:
     pairs += [(got[n], old[n], seen[n]) for n in stops]
     for new, before, ref in pairs:
         assert rel(new, ref) <= 1.5 * rel(before, ref) + 1e-3 and rel(new, ref) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("stops", [(), (64, 192)])
+def test_layer_scan_with_conv_normalised_qk_matches_fla_norms(monkeypatch, stops) -> None:
+    """The GDN layer's long bf16 prefill: the conv writing contiguous L2-normalised q and k
+    (DELTASERVE_CONV_QKV, default) against fla's own l2norm on the split conv output (=0): the
+    same stages after a norm reduced in another order, so outputs, final state and snapshots
+    agree to bf16 rounding."""
+    from deltaserve.checkpoint.presets import preset
+    from deltaserve.config import TextConfig
+    from deltaserve.env import env
+    from deltaserve.layers.gated_deltanet import GatedDeltaNet
+    from deltaserve.ops import fla_scan
+
+    cfg = TextConfig.from_hf(preset("qwen3.5-0.8b").config)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, torch.bfloat16).cuda()
+    for p in layer.parameters():
+        p.data.normal_(0, 0.05)
+    layer.A_log.data.uniform_(-1, 1)
+    seq_len = 300
+    qkv = torch.randn(1, seq_len, cfg.conv_dim + 64, device="cuda").bfloat16()[..., :cfg.conv_dim]
+    z = torch.randn(1, seq_len, layer.value_dim, device="cuda").bfloat16()
+    b = torch.randn(1, seq_len, layer.num_v_heads, device="cuda").bfloat16()
+    a = torch.randn(1, seq_len, layer.num_v_heads, device="cuda").bfloat16()
+    window = torch.randn(1, cfg.conv_dim, 3, device="cuda").bfloat16()
+    state0 = torch.randn(1, layer.num_v_heads, layer.k_dim, layer.v_dim, device="cuda") * 0.1
+    calls = []
+    real = fla_scan.fla_prefill
+
+    def spy(*args, **kw):
+        calls.append(kw.get("qk_normed", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fla_scan, "fla_prefill", spy)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DELTASERVE_CONV_QKV", flag)
+        env.cache_clear()
+        state, snaps = state0.clone(), {}
+        o, new_window = layer._scan(qkv, z, b, a, window, state, torch.bfloat16, stops,
+                                    lambda n, s, snaps=snaps: snaps.setdefault(n, s.clone()))
+        runs[flag] = (o, new_window, state, snaps)
+    env.cache_clear()
+    assert calls == [True, False]
+    (o1, w1, s1, snaps1), (o0, w0, s0, snaps0) = runs["1"], runs["0"]
+    assert torch.equal(w1, w0)  # the new window is the chunk's last inputs either way
+    assert rel(o1, o0) <= 1e-2 and rel(s1, s0) <= 1e-2
+    assert set(snaps1) == set(snaps0) == set(stops)
+    for n in stops:
+        assert rel(snaps1[n], snaps0[n]) <= 1e-2
