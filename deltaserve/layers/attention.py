@@ -98,6 +98,7 @@ class GatedAttention(nn.Module):
         """The Triton path: one prep kernel (norms, rotary, K/V into the pool), paged attention
         for the decode rows (with the gate), SDPA for prefill chunks."""
         from deltaserve.ops import triton_attention as ta
+        from deltaserve.ops.triton_act import sigmoid_gate_cuda
 
         num_tokens, dim = x.shape[1], self.head_dim
         proj = self.qkv_proj(x)[0]  # [T, P]
@@ -117,8 +118,7 @@ class GatedAttention(nn.Module):
             table = batch.chunk_table(i, x.device)
             k_all, v_all = (t.to(q.dtype) for t in batch.kv.gather(layer, table, chunk.end_pos))
             o = causal_attention(q[span].transpose(0, 1)[None], k_all, v_all, scale)[0]
-            gate = proj[span, : 2 * self.num_heads * dim].reshape(-1, self.num_heads, 2 * dim)
-            out[span] = (o.transpose(0, 1) * torch.sigmoid(gate[..., dim:])).flatten(1)
+            sigmoid_gate_cuda(o, proj[span], out[span])  # o * sigmoid(gate) into the rows
         return self.o_proj(out[None])
 
 

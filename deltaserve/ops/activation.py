@@ -18,6 +18,14 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def sigmoid_gate_ref(o: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """Attention's output gate as the torch layer composes it: o [HQ,T,D] * sigmoid(gate) with
+    head h's gate in proj [T,P] columns [h 2D + D, h 2D + 2D); returns [T, HQ*D]."""
+    num_heads, _, dim = o.shape
+    gate = proj[:, : 2 * num_heads * dim].reshape(-1, num_heads, 2 * dim)[..., dim:]
+    return (o.transpose(0, 1) * torch.sigmoid(gate)).flatten(1)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Same contract as silu_mul_ref (the Triton kernel computes in fp32 and rounds once)."""
     if cuda_kernel_rows(gate_up):

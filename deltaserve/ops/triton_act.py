@@ -1,6 +1,8 @@
 """silu(gate) * up for CUDA GPUs (Triton): one kernel instead of torch's two (and their
 intermediate), fp32 math rounded once. Contract: ops/activation.silu_mul_ref
-(tests/ops/test_triton_act.py)."""
+(tests/ops/test_triton_act.py). Also attention's output gate over a prefill chunk,
+o * sigmoid(gate) written into the o_proj input rows: torch's strided sigmoid, multiply and copy
+took ~80 us per layer at 8k tokens (contract: ops/activation.sigmoid_gate_ref)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,34 @@ if triton is not None:
         u = tl.load(X + row * 2 * HALF + HALF + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + row * HALF + cols, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty),
                  mask=ok)
+
+
+    @triton.jit
+    def _sigmoid_gate_kernel(O, G, Y, T, O_HEAD, O_ROW, G_ROW, Y_ROW, D: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        head = tl.program_id(1)
+        dims = tl.arange(0, D)
+        ok = (rows < T)[:, None]
+        o = tl.load(O + head * O_HEAD + rows[:, None] * O_ROW + dims[None, :], mask=ok, other=0.0)
+        g = tl.load(G + rows[:, None] * G_ROW + head * 2 * D + D + dims[None, :], mask=ok,
+                    other=0.0).to(tl.float32)
+        y = o.to(tl.float32) / (1.0 + tl.exp(-g))
+        tl.store(Y + rows[:, None] * Y_ROW + head * D + dims[None, :], y.to(Y.dtype.element_ty),
+                 mask=ok)
+
+
+def sigmoid_gate_cuda(o: torch.Tensor, proj: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, HQ*D] (rows of any stride) = o [HQ,T,D] * sigmoid(gate), the gate of head h in
+    proj [T, P] columns [h 2D + D, h 2D + 2D) (the per-head [query | gate] layout); D a power
+    of two; unit inner strides."""
+    num_heads, num_tokens, dim = o.shape
+    if o.stride(-1) != 1 or proj.stride(-1) != 1 or out.stride(-1) != 1 or dim & (dim - 1):
+        raise ValueError("sigmoid_gate_cuda needs unit inner strides and a power-of-two head dim")
+    block_t = 16
+    grid = (triton.cdiv(num_tokens, block_t), num_heads)
+    _sigmoid_gate_kernel[grid](o, proj, out, num_tokens, o.stride(0), o.stride(1), proj.stride(0),
+                               out.stride(0), D=dim, BLOCK_T=block_t)
 
 
 def silu_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:
