@@ -47,6 +47,9 @@ class Env:
     # fla's l2norm then copies and normalises, instead of contiguous normalised q, k and v
     # (ops/triton_conv1d.causal_conv1d_qkv_cuda)
     conv_qkv: bool
+    # DELTASERVE_PREFILL_GRAPH_TOKENS: the longest fresh prefill chunk replayed from a CUDA graph
+    # (engine/prefill_graph.LONG_BUCKETS; default 16384, 0 = only the short chunks' graphs)
+    prefill_graph_tokens: int
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -74,6 +77,8 @@ class Env:
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
             pdl=_flag("DELTASERVE_PDL", default=True),
             conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
+            prefill_graph_tokens=int(os.environ.get("DELTASERVE_PREFILL_GRAPH_TOKENS", "16384")
+                                     or 0),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

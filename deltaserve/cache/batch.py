@@ -38,6 +38,9 @@ class GraphChunk:
     slot: torch.Tensor  # [1] int64 state-pool slot
     real_len: torch.Tensor  # [1] int64 tokens that are real (rows past it are padding)
     num_rows: int  # T
+    # the chunk starts its sequence (position 0): attention reads only the chunk's own K/V
+    # through the causal prefill kernel; else every row attends as a decode row over its table
+    fresh: bool = False
 
     def pad_rows(self) -> torch.Tensor:
         """[T] bool, True for the padding rows."""

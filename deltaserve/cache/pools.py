@@ -144,6 +144,11 @@ class KVPool:
         self.k[layer][blocks, :, offsets] = k_new.to(self.k[layer].dtype)
         self.v[layer][blocks, :, offsets] = v_new.to(self.v[layer].dtype)
 
+    def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What write() stored for positions (blocks[t], offsets[t]): k, v [T,HKV,D]."""
+        return self.k[layer][blocks, :, offsets], self.v[layer][blocks, :, offsets]
+
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` positions as [1,HKV,length,D] (table: its block ids)."""
         k, v = (x[layer][table].transpose(0, 1).flatten(1, 2)[:, :length].unsqueeze(0)

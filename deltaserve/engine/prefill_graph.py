@@ -11,6 +11,14 @@ go to the spare block; the head reads the last real row. A chunk with prefix-sna
 runs as pieces cut there (the snapshot = the slot's state after a piece). Image rows: the input
 embeddings are made eagerly (token embeddings, the tower's rows copied in) into a static buffer
 the graph reads. Draft verification, quantized models and 32-bit activations run eagerly.
+
+Long fresh chunks (a prompt's first chunk, 129 tokens up to DELTASERVE_PREFILL_GRAPH_TOKENS, no
+prefix snapshots wanted) replay from graphs of LONG_BUCKETS rows: an 8k chunk is ~500 launches
+whose host time (fla's stage wrappers, Triton's launcher) matched its ~30 ms of GPU work. There
+the GDN layers run as above (fla's stages on the padded rows), and attention runs the causal
+prefill kernel over the chunk's own K/V, read back from the rows it was written to: padding rows
+(positioned at the last real token, writing the spare block) come after every real row, so no
+real row sees them.
 """
 
 from __future__ import annotations
@@ -22,12 +30,18 @@ from deltaserve.cache.batch import GraphChunk, SeqChunk, StepBatch
 from deltaserve.engine.cuda_graph import capture, width_bucket
 
 TOKEN_BUCKETS = (16, 32, 64, 128)
+# fresh chunks longer than TOKEN_BUCKETS: padding costs at most a third of the GPU work above 2k
+LONG_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MAX_PIECES = 4  # a chunk cut at its prefix-snapshot positions replays at most this many graphs
 FIELDS = ("ids", "positions", "kv_blocks", "kv_rows", "lengths")  # [T] each, then slot, real_len
 
 
 def _bucket(n: int) -> int | None:
     return next((b for b in TOKEN_BUCKETS if b >= n), None)
+
+
+def _long_bucket(n: int, max_tokens: int) -> int | None:
+    return next((b for b in LONG_BUCKETS if n <= b <= max_tokens), None)
 
 
 def usable(model) -> bool:
@@ -58,6 +72,12 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_runs = 0
+        from deltaserve.env import env
+
+        # long fresh chunks need attention's Triton path (power-of-two head and block dims)
+        head_dim, block_len = model.cfg.head_dim, cache.kv.block_len
+        pow2 = head_dim & (head_dim - 1) == 0 and block_len & (block_len - 1) == 0
+        self.max_long_tokens = env().prefill_graph_tokens if pow2 else 0
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
@@ -65,6 +85,9 @@ class PrefillGraphs:
         None when it runs eagerly (drafts, a 1-token chunk, too long, too many pieces)."""
         if chunk.verify or chunk.num_tokens < 2:
             return None
+        if (chunk.start_pos == 0 and not chunk.snapshot_at and _bucket(chunk.num_tokens) is None
+                and _long_bucket(chunk.num_tokens, self.max_long_tokens)):
+            return [chunk]  # one fresh chunk, causal attention over its own rows
         cuts = sorted({chunk.start_pos, *chunk.snapshot_at, chunk.end_pos})
         if len(cuts) - 1 > MAX_PIECES:
             return None
@@ -74,19 +97,23 @@ class PrefillGraphs:
 
     def host_inputs(self, ids: list[int], chunk: SeqChunk, images: bool = False
                     ) -> tuple[tuple[int, int, bool], np.ndarray]:
-        """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W])."""
-        num_rows, real = _bucket(chunk.num_tokens), chunk.num_tokens
+        """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W];
+        a fresh long chunk has no tables, W = 0)."""
+        real = chunk.num_tokens
+        fresh = _bucket(real) is None  # pieces() gives longer chunks only when they are fresh
+        num_rows = _long_bucket(real, self.max_long_tokens) if fresh else _bucket(real)
         block_len = self.cache.kv.block_len
         if len(chunk.block_table) * block_len < chunk.end_pos:  # as StepBatch.build refuses
             raise ValueError(f"chunk has too few KV blocks: {chunk}")
-        width = width_bucket(len(chunk.block_table))
-        table = np.full(width, self.spare_block, dtype=np.int64)
+        width = 0 if fresh else width_bucket(len(chunk.block_table))
+        table = np.full(max(width, len(chunk.block_table)), self.spare_block, dtype=np.int64)
         table[: len(chunk.block_table)] = chunk.block_table
         row = np.arange(num_rows, dtype=np.int64)
         real_rows = row < real
         # padding rows: the last real position (valid for rotary), K/V into the spare block
         positions = chunk.start_pos + np.minimum(row, real - 1)
         kv_blocks = np.where(real_rows, table[positions // block_len], self.spare_block)
+        table = table[:width]
         token_ids = np.zeros(num_rows, dtype=np.int64)
         token_ids[:real] = ids
         packed = np.concatenate([
@@ -140,8 +167,10 @@ class PrefillGraphs:
         batch.offsets = [0]
         batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]
         batch.kv_rows = static["kv_rows"]
-        batch.decode_tables, batch.decode_lengths = static["tables"], static["lengths"]
-        batch.graph_chunk = GraphChunk(static["slot"], static["real_len"], num_rows)
+        fresh = static["tables"].shape[1] == 0
+        if not fresh:  # every row attends as a decode row over its table
+            batch.decode_tables, batch.decode_lengths = static["tables"], static["lengths"]
+        batch.graph_chunk = GraphChunk(static["slot"], static["real_len"], num_rows, fresh)
         return batch
 
     def forward(self, static: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -55,6 +55,7 @@ def test_what_takes_the_padded_step() -> None:
     from deltaserve.cache.batch import SeqChunk
 
     graphs = PrefillGraphs.__new__(PrefillGraphs)
+    graphs.max_long_tokens = 0  # short chunks only (DELTASERVE_PREFILL_GRAPH_TOKENS=0)
     table = (1, 2, 3, 4)
     assert graphs.pieces(SeqChunk(0, 0, 40, table)) == [SeqChunk(0, 0, 40, table)]
     assert graphs.pieces(SeqChunk(0, 100, 128, table)) == [SeqChunk(0, 100, 128, table)]
@@ -68,6 +69,54 @@ def test_what_takes_the_padded_step() -> None:
     assert graphs.pieces(SeqChunk(0, 0, 320, table, snapshot_at=(64, 128, 192, 256))) is None
     assert graphs.pieces(SeqChunk(0, 0, 5, table, verify=True)) is None  # drafts: eager
     assert [_bucket(n) for n in (1, 16, 17, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
+
+
+def test_what_takes_a_long_fresh_graph() -> None:
+    """Past the short buckets: only a sequence's first chunk (position 0) with no snapshot wanted,
+    up to the longest bucket the env allows; padded to the next LONG_BUCKETS size."""
+    from deltaserve.cache.batch import SeqChunk
+    from deltaserve.engine.prefill_graph import _long_bucket
+
+    graphs = PrefillGraphs.__new__(PrefillGraphs)
+    graphs.max_long_tokens = 4096
+    table = tuple(range(300))
+    assert graphs.pieces(SeqChunk(0, 0, 129, table)) == [SeqChunk(0, 0, 129, table)]
+    assert graphs.pieces(SeqChunk(0, 0, 4096, table)) == [SeqChunk(0, 0, 4096, table)]
+    assert graphs.pieces(SeqChunk(0, 0, 4097, table)) is None  # over the env's limit
+    assert graphs.pieces(SeqChunk(0, 64, 300, table)) is None  # a later chunk: eager
+    assert graphs.pieces(SeqChunk(0, 0, 300, table, snapshot_at=(64,))) is None
+    assert graphs.pieces(SeqChunk(0, 0, 300, table, verify=True)) is None
+    assert [_long_bucket(n, 8192) for n in (129, 256, 257, 1100, 5000, 8192, 8193)] == [
+        256, 256, 512, 1536, 6144, 8192, None]
+
+
+def test_long_fresh_prompts_match_the_prefill_path(tiny_llm) -> None:
+    """Fresh prompts of 150..700 tokens in one chunk, cache off: the padded step with attention
+    over the chunk's own rows gives the greedy tokens of the ordinary path and logits within
+    1e-5, and the decodes after it (reading the scattered state, window and K/V) too."""
+    plain = make_engine(tiny_llm, prefix_bytes=0, budget=1024, num_blocks=128)
+    graph = make_engine(tiny_llm, prefix_bytes=0, budget=1024, num_blocks=128)
+    graphs = padded(graph)
+    seen_plain, seen_graph = capture(plain), capture(graph)
+    for rid, ids in prompts_of([150, 257, 700], seed=21).items():
+        assert run_all(graph, {rid: ids}) == run_all(plain, {rid: ids}), rid
+        assert rel(torch.stack(seen_graph[rid]), torch.stack(seen_plain[rid])) <= 1e-5, rid
+    assert graphs.num_runs == 3
+    assert {key[:2] for key in graphs.graphs} == {(256, 0), (512, 0), (1024, 0)}
+
+
+def test_long_prompts_with_snapshots_or_a_later_chunk_run_eagerly(tiny_llm) -> None:
+    """The prefix cache wants snapshots on a fresh 300-token prompt (every 64 tokens): eager; a
+    prompt over the chunk budget: its first chunk replays, the later ones run eagerly."""
+    warm = make_engine(tiny_llm, budget=1024, num_blocks=128)
+    graphs = padded(warm)
+    run_all(warm, prompts_of([300], seed=5))
+    assert graphs.num_runs == 0
+    cold = make_engine(tiny_llm, prefix_bytes=0, budget=200, num_blocks=128)
+    graphs, plain = padded(cold), make_engine(tiny_llm, prefix_bytes=0, budget=200, num_blocks=128)
+    ids = prompts_of([576], seed=6)  # chunks of 192 (the 64-token grid): the first replays
+    assert run_all(cold, ids) == run_all(plain, ids)
+    assert graphs.num_runs == 1
 
 
 def test_snapshot_positions_inside_a_chunk(tiny_llm) -> None:
@@ -88,17 +137,19 @@ def test_snapshot_positions_inside_a_chunk(tiny_llm) -> None:
 
 @pytest.mark.gpu
 def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
-    """bf16 on CUDA: the engine captures graphs for short chunks; a replay gives the bits of the
-    same padded step run eagerly, and greedy tokens equal the eager engine's on these prompts."""
+    """bf16 on CUDA: the engine captures graphs for short chunks and a long fresh one (fla's
+    stages on padded rows, attention over the chunk's own rows); a replay gives the bits of the
+    same padded step run eagerly, and the prefill logits are the eager engine's within bf16."""
     from deltaserve import LLM
 
     llm = LLM(tiny_dir, dtype="bfloat16", device="cuda")
-    graph_engine, eager_engine = make_engine(llm, prefix_bytes=0), make_engine(llm, prefix_bytes=0)
+    graph_engine, eager_engine = (make_engine(llm, prefix_bytes=0, budget=512, num_blocks=128)
+                                  for _ in range(2))
     graphs = graph_engine.runner.prefill_graphs
     assert graphs is not None and graphs.capture
     eager_engine.runner.prefill_graphs = None
     seen_graph, seen_eager = capture(graph_engine), capture(eager_engine)
-    prompts = prompts_of([7, 30, 60], seed=4)
+    prompts = prompts_of([7, 30, 60, 300], seed=4)
     for rid, ids in prompts.items():
         run_all(graph_engine, {rid: ids})
         run_all(eager_engine, {rid: ids})
@@ -107,7 +158,7 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
         print(f"{rid} ({len(ids)} tokens): graph vs eager logits rel per step "
               f"{' '.join(f'{e:.1e}' for e in errs)}")
         assert errs[0] <= 2e-2, rid  # the prefill step itself (later steps follow its tokens)
-    assert graphs.num_runs == 3 and {k[0] for k in graphs.graphs} == {16, 32, 64}
+    assert graphs.num_runs == 4 and {k[0] for k in graphs.graphs} == {16, 32, 64, 512}
     # a replay equals the captured step run eagerly on the same static inputs, from the same state
     # (the spare slot, zeroed before each)
     states, spare = graph_engine.cache.states, graph_engine.cache.spare_slot
