@@ -192,6 +192,23 @@ why)  # issue 6: what stops the capture (first sync inside forward_batch), cProf
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
         --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
     ;;
+graphs8k)  # issue 6: conv/norm/gate kernels, long fresh prefill graphs: tests, conv sweep, kernels, A/B
+    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
+        tests/ops/test_triton_norm.py tests/ops/test_triton_act.py tests/ops/test_gdn_prefill.py \
+        tests/ops/test_gemv_prologue.py tests/engine/test_prefill_graph.py \
+        tests/engine/test_cuda_graphs.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | grep -E "passed|failed|FAILED|Error|rel per step" | tail -14
+    timeout 60 python3 scripts/gpu/conv_tune.py --out "$OUT/conv-tune.json" 2>&1 | quiet 14
+    timeout 90 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --kernels \
+        --out "$OUT/prefill-kernels.json" 2>&1 | grep -v -i warn | cut -c1-160 | tail -26
+    for ab in "16384 1 a" "0 1 b" "0 0 c"; do
+        set -- $ab
+        DELTASERVE_PREFILL_GRAPH_TOKENS=$1 DELTASERVE_CONV_QKV=$2 timeout 150 python3 -m deltaserve \
+            bench --model /tmp/q08 --device cuda --decode-tokens 16 --formats bf16 --peer none \
+            --prefill-lens "$( [ "$3" = a ] && echo 2048,5120,8192,10240,32768 || echo 2048,8192 )" \
+            --out "$OUT/bench-$3.json" 2>&1 | grep -E "^prefill" | cut -c1-200
+    done
+    ;;
 long)  # issue 6: the tests changed last, the 8k forward's kernels, capture at HEAD, prefill tiers
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_gemv_prologue.py \
         tests/engine/test_cuda_graphs.py tests/cache tests/engine/test_prefill_graph.py \
