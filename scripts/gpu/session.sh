@@ -47,6 +47,11 @@ image_ttft() {  # issue 8: an image question's TTFT through serve, with the in-p
     python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
         --out "$OUT/vision-ttft.json" 2>&1 | quiet "$1"
 }
+prefill_rates() {  # the bf16 engine's prefill tok/s (medians, then the runs) of a bench record
+    python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['engines']['deltaserve-bf16']; \
+print(sys.argv[2], {k[8:-6]: round(v) for k, v in e.items() if k.endswith('_tok_s') and \
+k.startswith('prefill_') and v}, e.get('prefill_8192_runs_tok_s'))" "$1" "$2"
+}
 case "${1:-check}" in
 check)
     python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
@@ -206,7 +211,8 @@ graphs8k)  # issue 6: conv/norm/gate kernels, long fresh prefill graphs: tests, 
         DELTASERVE_PREFILL_GRAPH_TOKENS=$1 DELTASERVE_CONV_QKV=$2 timeout 150 python3 -m deltaserve \
             bench --model /tmp/q08 --device cuda --decode-tokens 16 --formats bf16 --peer none \
             --prefill-lens "$( [ "$3" = a ] && echo 2048,5120,8192,10240,32768 || echo 2048,8192 )" \
-            --out "$OUT/bench-$3.json" 2>&1 | grep -E "^prefill" | cut -c1-200
+            --out "$OUT/bench-$3.json" > /dev/null 2>&1
+        prefill_rates "$OUT/bench-$3.json" "graph<=$1 conv_qkv=$2"
     done
     ;;
 long)  # issue 6: the tests changed last, the 8k forward's kernels, capture at HEAD, prefill tiers
