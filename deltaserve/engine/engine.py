@@ -70,7 +70,8 @@ class Engine:
         self.max_model_len, self.config = max_model_len, config
         self.cache = CacheManager(model, config.cache, fingerprint)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(model, self.cache, config.greedy_head)
+        self.runner = ModelRunner(model, self.cache, config.greedy_head,
+                                  config.scheduler.max_prefill_chunk)
         self.spec = None
         if config.speculative is not None:
             from deltaserve.spec.verify import Speculator

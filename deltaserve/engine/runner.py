@@ -14,6 +14,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.env import env
+from deltaserve.ops.gdn import SCAN_MAX_TOKENS
 from deltaserve.ops.norm import native_rows
 
 
@@ -63,8 +64,11 @@ class StepLogits(Mapping[str, torch.Tensor]):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager, greedy_head: bool = False) -> None:
+    def __init__(self, model, cache: CacheManager, greedy_head: bool = False,
+                 max_prefill_chunk: int = 0) -> None:
         self.model, self.cache, self.greedy_head = model, cache, greedy_head
+        if max_prefill_chunk > SCAN_MAX_TOKENS:
+            _tune_prefill_scan(model, max_prefill_chunk)
         self.spec_rollback = "recompute"  # SpeculativeConfig.rollback, for steps with verify chunks
         self.graphs = None
         # pipeline stages decode eagerly: their send/recv/broadcast are not captured in graphs
@@ -158,6 +162,24 @@ class ModelRunner:
         if snaps and rid not in logits.failed:  # a state that produced NaN/inf is never shared
             self.cache.store_snapshots(rid, all_ids[rid], snaps)
         return logits
+
+
+def _tune_prefill_scan(model, max_prefill_chunk: int) -> None:
+    """fla's stages (the GDN scan of chunks over SCAN_MAX_TOKENS) picked their launch configs at a
+    prefill length: ops/fla_scan.tune, once per process, before the first request."""
+    from deltaserve.ops import fla_scan
+    from deltaserve.ops.gdn import takes_fla_stages
+
+    cfg = model.cfg
+    if not cfg.linear_num_value_heads or model.device.type != "cuda":
+        return
+    probe = torch.zeros(1, max_prefill_chunk, 1, dtype=model.act_dtype, device=model.device)
+    if takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim) \
+            and fla_scan.tuned is None:
+        fla_scan.tuned = max_prefill_chunk
+        fla_scan.tune(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                      cfg.linear_key_head_dim, cfg.linear_value_head_dim, max_prefill_chunk,
+                      model.act_dtype, model.device)
 
 
 def _placeholders(image: ImageInputs, start: int, end: int) -> tuple[list[int], torch.Tensor]:

@@ -142,8 +142,7 @@ class GatedDeltaNet(nn.Module):
         window = conv_pool.index_select(0, chunk.slot)  # [1,C,W-1]
         state = state_pool.index_select(0, chunk.slot)  # [1,HV,K,V], scanned in place
         o, _ = self._scan(qkv, z, b, a, window, state, x.dtype)
-        full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv], dim=1)  # [1,W-1+T,C]
-        new_window = full[0].index_select(0, chunk.window_rows(window.shape[-1])).t()
+        new_window = _window_at(window[0], qkv[0], chunk.window_rows(window.shape[-1]))
         conv_pool.index_copy_(0, chunk.slot, new_window[None].to(conv_pool.dtype))
         state_pool.index_copy_(0, chunk.slot, state)
         return self.out_proj(o)
@@ -164,3 +163,12 @@ class GatedDeltaNet(nn.Module):
                 snaps.setdefault(pos, {})[layer] = (win, s[0])
 
         return keep
+
+
+def _window_at(window: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Rows `at` [W-1] of [window^T | rows] (window [C,W-1], rows [T,C]) as a window [C,W-1],
+    gathered without concatenating the chunk (a whole [T,C] copy per layer at 8k tokens)."""
+    width = window.shape[-1]
+    from_rows = rows.index_select(0, (at - width).clamp(min=0))  # [W-1,C]
+    from_window = window.t().index_select(0, at.clamp(max=width - 1)).to(rows.dtype)
+    return torch.where((at < width)[:, None], from_window, from_rows).t()

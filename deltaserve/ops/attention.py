@@ -23,6 +23,11 @@ def causal_attention(
         mask, causal = None, False
     elif seq_len == cache_len:
         mask, causal = None, True
+    elif q.is_cuda:  # a chunk behind cached keys: flash attention's bottom-right causal variant
+        # (a materialised [T,S] mask sends SDPA to a masked kernel: most of a 32k prefill's time)
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask, causal = causal_lower_right(seq_len, cache_len), False
     else:
         rows = torch.arange(cache_len - seq_len, cache_len, device=q.device)[:, None]
         mask, causal = torch.arange(cache_len, device=q.device)[None, :] <= rows, False

@@ -13,12 +13,45 @@ mid-grid, a granularity not a multiple of 64) starts a new call there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 CHUNK_LEN = 64  # fla's chunk size (its fused intra-chunk path is written for 64)
+TUNE_TOKENS = (1024, 8192)  # tune() clamps its length into this range
+tuned: int | None = None  # the prefill length the process tuned fla at (engine/runner.py)
+
+
+def _fla_environment() -> None:
+    """fla autotunes its stage kernels on their first call with keys that leave out the length,
+    and by default keeps the choice on disk for later processes: a first call of 300 tokens (a test,
+    a short prompt) then made the 8k prefill's WY solve 3x slower on the H200 (2.9 ms, not 0.9, per
+    8k prefill). Kept per process instead; tune() makes the first call a representative one."""
+    os.environ.setdefault("FLA_CACHE_RESULTS", "0")
+
+
+def tune(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, seq_len: int,
+         dtype: torch.dtype, device) -> None:
+    """One pass of the stages on random inputs of a GDN layer's shape at seq_len tokens (clamped
+    to TUNE_TOKENS), without and with snapshot stops (their state pass runs in fp32: its own
+    configs), so fla's autotuner picks its configs at a prefill length, not at whatever comes first."""
+    seq_len = min(max(seq_len, TUNE_TOKENS[0]), TUNE_TOKENS[1])
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k = (rnd(1, seq_len, num_k_heads, k_dim).to(dtype) for _ in range(2))
+    v = rnd(1, seq_len, num_v_heads, v_dim).to(dtype)
+    g = -torch.rand(1, seq_len, num_v_heads, device=device, generator=gen)
+    beta = torch.rand(1, seq_len, num_v_heads, device=device, generator=gen)
+    state = torch.zeros(1, num_v_heads, k_dim, v_dim, device=device)
+    for stops in ((), (CHUNK_LEN,)):
+        fla_prefill(q, k, v, g, beta, state, stops, lambda n, s: None)
 
 
 def _stages():
+    _fla_environment()
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o

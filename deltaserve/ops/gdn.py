@@ -223,6 +223,9 @@ def gdn_prefill(
 def fla_public_prefill(q, k, v, g, beta, state, stops=(), on_boundary=None):
     """fla-core's public chunk kernel, one call per segment between stops (fla versions whose
     stage functions ops/fla_scan cannot import; and the comparison in its tests)."""
+    from deltaserve.ops.fla_scan import _fla_environment
+
+    _fla_environment()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     seq_len, outs, start, s = q.shape[1], [], 0, state

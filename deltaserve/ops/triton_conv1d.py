@@ -17,6 +17,9 @@ from deltaserve.ops.backend import tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
 BLOCK_T, BLOCK_C, NUM_WARPS = 32, 128, 4
+# the q|k|v form's launch (BLOCK_C = the head dim): 151 us at 8k tokens of the 0.8B shape, 170 at
+# (32, 4), 185-390 at 64 rows or 8 warps (scripts/gpu/conv_tune.py, H200, 2026-12-01)
+QKV_BLOCK_T, QKV_NUM_WARPS = 8, 2
 L2_EPS = 1e-6  # fla's l2norm_fwd default, which the stages it replaces used
 
 if triton is not None:
@@ -101,8 +104,8 @@ def qkv_usable(key_dim: int, head_dim: int) -> bool:
 
 
 def causal_conv1d_qkv_cuda(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
-                           key_dim: int, head_dim: int, block_t: int = BLOCK_T,
-                           num_warps: int = NUM_WARPS
+                           key_dim: int, head_dim: int, block_t: int = QKV_BLOCK_T,
+                           num_warps: int = QKV_NUM_WARPS
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B,T,C] as causal_conv1d_cuda, C = 2 key_dim + value_dim -> (l2norm(q) [B,T,key_dim],
     l2norm(k) [B,T,key_dim], v [B,T,value_dim]) of silu(conv(x)), each contiguous, norms per

@@ -50,7 +50,7 @@ image_ttft() {  # issue 8: an image question's TTFT through serve, with the in-p
 prefill_rates() {  # the bf16 engine's prefill tok/s (medians, then the runs) of a bench record
     python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['engines']['deltaserve-bf16']; \
 print(sys.argv[2], {k[8:-6]: round(v) for k, v in e.items() if k.endswith('_tok_s') and \
-k.startswith('prefill_') and v}, e.get('prefill_8192_runs_tok_s'))" "$1" "$2"
+k.startswith('prefill_') and isinstance(v, float)}, e.get('prefill_8192_runs_tok_s'))" "$1" "$2"
 }
 case "${1:-check}" in
 check)
@@ -197,23 +197,22 @@ why)  # issue 6: what stops the capture (first sync inside forward_batch), cProf
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
         --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
     ;;
-graphs8k)  # issue 6: conv/norm/gate kernels, long fresh prefill graphs: tests, conv sweep, kernels, A/B
-    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
-        tests/ops/test_triton_norm.py tests/ops/test_triton_act.py tests/ops/test_gdn_prefill.py \
-        tests/ops/test_gemv_prologue.py tests/engine/test_prefill_graph.py \
-        tests/engine/test_cuda_graphs.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
-        | grep -E "passed|failed|FAILED|Error|rel per step" | tail -14
-    timeout 60 python3 scripts/gpu/conv_tune.py --out "$OUT/conv-tune.json" 2>&1 | quiet 14
-    timeout 90 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --kernels \
-        --out "$OUT/prefill-kernels.json" 2>&1 | grep -v -i warn | cut -c1-160 | tail -26
-    for ab in "16384 1 a" "0 1 b" "0 0 c"; do
+graphs8k)  # issue 6: long fresh prefill graphs, lower-right flash, fla tuned at the chunk length
+    for ab in "16384 a" "0 b"; do
         set -- $ab
-        DELTASERVE_PREFILL_GRAPH_TOKENS=$1 DELTASERVE_CONV_QKV=$2 timeout 150 python3 -m deltaserve \
-            bench --model /tmp/q08 --device cuda --decode-tokens 16 --formats bf16 --peer none \
-            --prefill-lens "$( [ "$3" = a ] && echo 2048,5120,8192,10240,32768 || echo 2048,8192 )" \
-            --out "$OUT/bench-$3.json" > /dev/null 2>&1
-        prefill_rates "$OUT/bench-$3.json" "graph<=$1 conv_qkv=$2"
+        DELTASERVE_PREFILL_GRAPH_TOKENS=$1 timeout 170 python3 -m deltaserve bench --model /tmp/q08 \
+            --device cuda --decode-tokens 16 --formats bf16 --peer none \
+            --prefill-lens "$( [ "$2" = a ] && echo 2048,5120,8192,10240,32768 || echo 2048,8192,32768 )" \
+            --out "$OUT/bench-$2.json" > /dev/null 2>&1
+        prefill_rates "$OUT/bench-$2.json" "graph<=$1"
     done
+    timeout 90 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --kernels \
+        --out "$OUT/prefill-kernels.json" 2>&1 | grep -v -i warn | cut -c1-160 | tail -20
+    timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/test_triton_conv1d.py tests/ops/test_conv1d_attention.py tests/ops/test_triton_norm.py \
+        tests/ops/test_triton_act.py tests/ops/test_gdn_prefill.py tests/engine/test_prefill_graph.py \
+        tests/ops/test_gemv_prologue.py tests/engine/test_cuda_graphs.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error|rel per step" | tail -14
     ;;
 long)  # issue 6: the tests changed last, the 8k forward's kernels, capture at HEAD, prefill tiers
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_gemv_prologue.py \

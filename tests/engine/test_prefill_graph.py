@@ -147,6 +147,9 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
                                   for _ in range(2))
     graphs = graph_engine.runner.prefill_graphs
     assert graphs is not None and graphs.capture
+    from deltaserve.ops import fla_scan
+
+    assert fla_scan.tuned is not None  # the engine tuned fla's stages at a prefill length
     eager_engine.runner.prefill_graphs = None
     seen_graph, seen_eager = capture(graph_engine), capture(eager_engine)
     prompts = prompts_of([7, 30, 60, 300], seed=4)

@@ -46,3 +46,31 @@ def test_attention_matches_reference(seq_len: int, cache_len: int) -> None:
     k = torch.randn(2, 2, cache_len, 32, generator=gen)
     v = torch.randn(2, 2, cache_len, 32, generator=gen)
     assert rel(causal_attention(q, k, v, 32**-0.5), causal_attention_ref(q, k, v, 32**-0.5)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seq_len,cache_len", [(300, 1000), (64, 65), (128, 128)])
+def test_cuda_attention_behind_cached_keys_matches_reference(seq_len: int, cache_len: int) -> None:
+    """A bf16 chunk behind cached keys takes flash attention's bottom-right causal variant (no
+    [T,S] mask): the fp32 reference within bf16 rounding; head dim 256, GQA 8:2 as Qwen3.5."""
+    gen = torch.Generator(device="cuda").manual_seed(seq_len)
+    q = torch.randn(1, 8, seq_len, 256, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(1, 2, cache_len, 256, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(1, 2, cache_len, 256, generator=gen, device="cuda").bfloat16()
+    out = causal_attention(q, k, v, 256**-0.5)
+    assert out.shape == q.shape
+    assert rel(out, causal_attention_ref(q, k, v, 256**-0.5)) <= 1e-2
+
+
+def test_graph_chunk_window_is_the_last_real_inputs() -> None:
+    """The padded chunk's new conv window: rows real_len .. real_len+W-2 of [old window | chunk],
+    gathered without the concatenation, for chunks shorter and longer than the window."""
+    from deltaserve.layers.gated_deltanet import _window_at
+
+    gen = torch.Generator().manual_seed(0)
+    window, rows = torch.randn(6, 3, generator=gen), torch.randn(10, 6, generator=gen)
+    full = torch.cat([window.t(), rows])  # [W-1+T, C]
+    for real_len in (1, 2, 3, 7, 10):
+        at = torch.arange(3) + real_len
+        assert torch.equal(_window_at(window, rows, at), full[at].t())
