@@ -197,6 +197,22 @@ why)  # issue 6: what stops the capture (first sync inside forward_batch), cProf
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
         --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
     ;;
+eager)  # issue 6: new kernels' tests; why the eager prefill got slower (fla's disk cache A/B, cProfile)
+    timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
+        tests/ops/test_conv1d_attention.py tests/ops/test_triton_norm.py tests/ops/test_triton_act.py \
+        tests/ops/test_gdn_prefill.py tests/engine/test_prefill_graph.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error|rel per step" | tail -14
+    for ab in "1 a" "0 b"; do
+        set -- $ab
+        FLA_CACHE_RESULTS=$1 DELTASERVE_PREFILL_GRAPH_TOKENS=0 timeout 100 python3 -m deltaserve bench \
+            --model /tmp/q08 --device cuda --decode-tokens 16 --formats bf16 --peer none \
+            --prefill-lens 2048,8192 --out "$OUT/bench-eager-$2.json" > /dev/null 2>&1
+        prefill_rates "$OUT/bench-eager-$2.json" "eager FLA_CACHE_RESULTS=$1"
+    done
+    DELTASERVE_PREFILL_GRAPH_TOKENS=0 timeout 100 python3 scripts/gpu/prefill_capture.py \
+        --model /tmp/q08 --lens 2048 --why --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn \
+        | cut -c1-180 | tail -34
+    ;;
 graphs8k)  # issue 6: long fresh prefill graphs, lower-right flash, fla tuned at the chunk length
     for ab in "16384 a" "0 b"; do
         set -- $ab
