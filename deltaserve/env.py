@@ -50,9 +50,6 @@ class Env:
     # DELTASERVE_PREFILL_GRAPH_TOKENS: the longest fresh prefill chunk replayed from a CUDA graph
     # (engine/prefill_graph.LONG_BUCKETS; default 16384, 0 = only the short chunks' graphs)
     prefill_graph_tokens: int
-    # DELTASERVE_SPLIT_ATTENTION=0: a 16-bit CUDA chunk behind cached keys runs FA2's bottom-right
-    # causal kernel instead of two cuDNN calls merged by log-sum-exp (ops/attention.py)
-    split_attention: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -80,7 +77,6 @@ class Env:
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
             pdl=_flag("DELTASERVE_PDL", default=True),
             conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
-            split_attention=_flag("DELTASERVE_SPLIT_ATTENTION", default=True),
             prefill_graph_tokens=int(os.environ.get("DELTASERVE_PREFILL_GRAPH_TOKENS", "16384")
                                      or 0),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),

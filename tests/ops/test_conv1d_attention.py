@@ -58,15 +58,9 @@ def test_cuda_attention_behind_cached_keys_matches_reference(seq_len: int, cache
     q = torch.randn(1, 8, seq_len, 256, generator=gen, device="cuda").bfloat16()
     k = torch.randn(1, 2, cache_len, 256, generator=gen, device="cuda").bfloat16()
     v = torch.randn(1, 2, cache_len, 256, generator=gen, device="cuda").bfloat16()
-    from deltaserve.ops import attention
-
-    ref = causal_attention_ref(q, k, v, 256**-0.5)
     out = causal_attention(q, k, v, 256**-0.5)
-    assert out.shape == q.shape and rel(out, ref) <= 1e-2
-    if seq_len < cache_len:  # the cuDNN split merged by log-sum-exp, itself, and its self-check
-        split = attention._split_attention(q, k, v, 256**-0.5)
-        print(f"split vs reference rel {rel(split, ref):.2e}, self-check {attention._split_checked}")
-        assert attention._split_checked and rel(split, ref) <= 1e-2
+    assert out.shape == q.shape
+    assert rel(out, causal_attention_ref(q, k, v, 256**-0.5)) <= 1e-2
 
 
 def test_graph_chunk_window_is_the_last_real_inputs() -> None:
