@@ -23,6 +23,8 @@ real row sees them.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -72,6 +74,7 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_runs = 0
+        self.failed: set[tuple[int, int, bool]] = set()  # keys whose capture ran out of memory
         from deltaserve.env import env
 
         # long fresh chunks need attention's Triton path (power-of-two head and block dims)
@@ -100,12 +103,11 @@ class PrefillGraphs:
         """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W];
         a fresh long chunk has no tables, W = 0)."""
         real = chunk.num_tokens
-        fresh = _bucket(real) is None  # pieces() gives longer chunks only when they are fresh
-        num_rows = _long_bucket(real, self.max_long_tokens) if fresh else _bucket(real)
         block_len = self.cache.kv.block_len
         if len(chunk.block_table) * block_len < chunk.end_pos:  # as StepBatch.build refuses
             raise ValueError(f"chunk has too few KV blocks: {chunk}")
-        width = 0 if fresh else width_bucket(len(chunk.block_table))
+        key = self.key(chunk, images)
+        num_rows, width, _ = key
         table = np.full(max(width, len(chunk.block_table)), self.spare_block, dtype=np.int64)
         table[: len(chunk.block_table)] = chunk.block_table
         row = np.arange(num_rows, dtype=np.int64)
@@ -120,7 +122,33 @@ class PrefillGraphs:
             token_ids, positions, kv_blocks, positions % block_len, positions + 1,
             [chunk.slot, real], np.broadcast_to(table, (num_rows, width)).reshape(-1),
         ])
-        return (num_rows, width, images), packed
+        return key, packed
+
+    def key(self, chunk: SeqChunk, images: bool = False) -> tuple[int, int, bool]:
+        """(rows, KV-table width, image rows) of the graph a piece from pieces() replays."""
+        fresh = _bucket(chunk.num_tokens) is None  # pieces() gives longer ones only when fresh
+        if fresh:
+            return _long_bucket(chunk.num_tokens, self.max_long_tokens), 0, images
+        return _bucket(chunk.num_tokens), width_bucket(len(chunk.block_table)), images
+
+    def ready(self, keys: list[tuple[int, int, bool]]) -> bool:
+        """Every graph of a chunk's pieces captured, before any piece runs (capturing the missing
+        ones); False when one could not be: the GPU had no memory for it. Such a key is remembered
+        and its chunks run eagerly from then on."""
+        for key in keys:
+            if key in self.failed:
+                return False
+            if key in self.graphs or not self.capture:
+                continue
+            try:
+                self.graphs[key] = self._capture(*key)
+            except torch.OutOfMemoryError as exc:
+                self.failed.add(key)
+                torch.cuda.empty_cache()
+                warnings.warn(f"no GPU memory to capture the {key[0]}-row prefill graph: its "
+                              f"chunks run eagerly ({str(exc).splitlines()[0]})", stacklevel=2)
+                return False
+        return True
 
     def run(self, ids: list[int], chunk: SeqChunk,
             inject: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

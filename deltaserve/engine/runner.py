@@ -120,7 +120,9 @@ class ModelRunner:
             pieces = self.prefill_graphs.pieces(chunks[0])
             if pieces is not None:
                 image = images.get(plan.chunks[0].request_id)
-                return self._graph_prefill(plan, chunks[0], pieces, ids, all_ids, image)
+                out = self._graph_prefill(plan, chunks[0], pieces, ids, all_ids, image)
+                if out is not None:
+                    return out
         device = self.model.device
         if not decodes:
             inject = _injection(plan, images, device)
@@ -147,13 +149,18 @@ class ModelRunner:
 
     def _graph_prefill(self, plan: StepPlan, chunk: SeqChunk, pieces: list[SeqChunk],
                        ids: list[int], all_ids: dict[str, list[int]],
-                       image: ImageInputs | None) -> StepLogits:
+                       image: ImageInputs | None) -> StepLogits | None:
         """One sequence's chunk as captured prefill graphs, piece by piece; the prefix snapshot at
-        the end of a piece is the slot's state there."""
+        the end of a piece is the slot's state there. None (nothing run) when a graph it needs
+        could not be captured."""
         graphs, snaps, out = self.prefill_graphs, {}, None
-        for piece in pieces:
+        injects = [_piece_injection(image, piece, self.model.device) if image else None
+                   for piece in pieces]
+        if not graphs.ready([graphs.key(p, i is not None) for p, i in zip(pieces, injects,
+                                                                          strict=True)]):
+            return None
+        for piece, inject in zip(pieces, injects, strict=True):
             lo = piece.start_pos - chunk.start_pos
-            inject = _piece_injection(image, piece, self.model.device) if image else None
             out = graphs.run(ids[lo : lo + piece.num_tokens], piece, inject)
             if piece.end_pos in chunk.snapshot_at:
                 snaps[piece.end_pos] = dict(enumerate(self.cache.states.snapshot(chunk.slot)))

@@ -5,6 +5,8 @@ the captured graph against the same step run eagerly."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -178,3 +180,29 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
         replayed = out.clone()
         reset()
         assert torch.equal(replayed, graphs.forward(static))
+
+
+def test_a_graph_without_memory_to_capture_runs_eagerly(tiny_llm) -> None:
+    """A capture that runs out of GPU memory (simulated: the CPU run pretends to capture) leaves
+    nothing run: the chunk takes the ordinary path, with its tokens, a warning names the graph, and
+    that bucket is not tried again."""
+    plain = make_engine(tiny_llm, prefix_bytes=0, budget=1024, num_blocks=128)
+    graph = make_engine(tiny_llm, prefix_bytes=0, budget=1024, num_blocks=128)
+    graphs = padded(graph)
+    attempts = []
+
+    def no_memory(*key):
+        attempts.append(key)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    graphs.capture, graphs._capture = True, no_memory
+    (first, first_ids), (second, second_ids) = prompts_of([300, 310], seed=9).items()
+    with pytest.warns(UserWarning, match="512-row prefill graph"):
+        got = run_all(graph, {first: first_ids})
+    assert got == run_all(plain, {first: first_ids})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # not tried (nor warned about) again
+        got = run_all(graph, {second: second_ids})
+    assert got == run_all(plain, {second: second_ids})
+    assert attempts == [(512, 0, False)] and graphs.failed == {(512, 0, False)}
+    assert graphs.num_runs == 0
