@@ -46,6 +46,24 @@ def _long_bucket(n: int, max_tokens: int) -> int | None:
     return next((b for b in LONG_BUCKETS if n <= b <= max_tokens), None)
 
 
+def long_rows(max_chunk_tokens: int, limit_tokens: int) -> int:
+    """Rows of the largest long graph a chunk budget can reach (0: none), for the memory plan."""
+    if min(max_chunk_tokens, limit_tokens) <= TOKEN_BUCKETS[-1]:
+        return 0
+    return _long_bucket(min(max_chunk_tokens, limit_tokens), limit_tokens) or max(
+        (b for b in LONG_BUCKETS if b <= limit_tokens), default=0)
+
+
+def graph_scratch_tokens(model, max_chunk_tokens: int) -> int:
+    """Tokens of activations the long prefill graphs keep in their memory pool for good (their
+    largest bucket), beside an eager step's scratch: 0 where they do not run."""
+    from deltaserve.env import env
+
+    if model.device.type != "cuda" or not env().cuda_graphs or not usable(model):
+        return 0
+    return long_rows(max_chunk_tokens, env().prefill_graph_tokens)
+
+
 def usable(model) -> bool:
     """Graphs need the Triton scan and paged attention (16-bit activations, triton backend), no
     scratch-buffer dequantization (dense weights) and one rank."""
@@ -77,10 +95,17 @@ class PrefillGraphs:
         self.failed: set[tuple[int, int, bool]] = set()  # keys whose capture ran out of memory
         from deltaserve.env import env
 
-        # long fresh chunks need attention's Triton path (power-of-two head and block dims)
-        head_dim, block_len = model.cfg.head_dim, cache.kv.block_len
-        pow2 = head_dim & (head_dim - 1) == 0 and block_len & (block_len - 1) == 0
+        # long fresh chunks need attention's Triton path (power-of-two head and block dims) and,
+        # on the GPU, fla's stages for the scan (the other scans are not worth a graph's memory)
+        cfg, block_len = model.cfg, cache.kv.block_len
+        pow2 = cfg.head_dim & (cfg.head_dim - 1) == 0 and block_len & (block_len - 1) == 0
         self.max_long_tokens = env().prefill_graph_tokens if pow2 else 0
+        if self.capture and cfg.linear_num_value_heads:
+            from deltaserve.ops.gdn import takes_fla_stages
+
+            probe = torch.empty(1, LONG_BUCKETS[0], 1, dtype=model.act_dtype, device=model.device)
+            if not takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+                self.max_long_tokens = 0
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
@@ -126,8 +151,9 @@ class PrefillGraphs:
 
     def key(self, chunk: SeqChunk, images: bool = False) -> tuple[int, int, bool]:
         """(rows, KV-table width, image rows) of the graph a piece from pieces() replays."""
-        fresh = _bucket(chunk.num_tokens) is None  # pieces() gives longer ones only when fresh
-        if fresh:
+        if _bucket(chunk.num_tokens) is None:  # pieces() gives longer ones only when fresh
+            if chunk.start_pos != 0:  # the long graphs' attention sees only the chunk's own rows
+                raise ValueError(f"a long graph chunk must start its sequence: {chunk}")
             return _long_bucket(chunk.num_tokens, self.max_long_tokens), 0, images
         return _bucket(chunk.num_tokens), width_bucket(len(chunk.block_table)), images
 
@@ -142,12 +168,17 @@ class PrefillGraphs:
                 continue
             try:
                 self.graphs[key] = self._capture(*key)
-            except torch.OutOfMemoryError as exc:
-                self.failed.add(key)
-                torch.cuda.empty_cache()
-                warnings.warn(f"no GPU memory to capture the {key[0]}-row prefill graph: its "
-                              f"chunks run eagerly ({str(exc).splitlines()[0]})", stacklevel=2)
-                return False
+            except RuntimeError as exc:  # out of memory, or (torch < 2.14) the capture
+                # invalidated by one: either way this bucket's chunks take the ordinary path
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            else:
+                continue
+            self.failed.add(key)
+            if self.capture:
+                torch.cuda.empty_cache()  # the failed capture's warm-up tensors are gone now
+            warnings.warn(f"could not capture the {key[0]}-row prefill graph ({reason}): its "
+                          f"chunks run eagerly", stacklevel=2)
+            return False
         return True
 
     def run(self, ids: list[int], chunk: SeqChunk,

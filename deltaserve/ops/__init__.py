@@ -9,3 +9,9 @@ Shape alphabet used in every docstring:
   D  attention head dim              W  conv kernel width (4)
   N  hidden size                     I  MLP intermediate size
 """
+
+import os
+
+# fla-core autotunes with keys that leave out the sequence length and by default keeps its choice
+# on disk for every later process: set before anything imports fla (ops/fla_scan.tune explains)
+os.environ.setdefault("FLA_CACHE_RESULTS", "0")

@@ -26,7 +26,8 @@ def _fla_environment() -> None:
     """fla autotunes its stage kernels on their first call with keys that leave out the length,
     and by default keeps the choice on disk for later processes: a first call of 300 tokens (a test,
     a short prompt) then made the 8k prefill's WY solve 3x slower on the H200 (2.9 ms, not 0.9, per
-    8k prefill). Kept per process instead; tune() makes the first call a representative one."""
+    8k prefill). Kept per process instead (deltaserve.ops sets this at import, before anything can
+    import fla; again here); tune() makes the first call a representative one."""
     os.environ.setdefault("FLA_CACHE_RESULTS", "0")
 
 

@@ -82,6 +82,7 @@ def add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 
 MANY_ROWS, ROWS_PER_PROGRAM = 4096, 16  # from this many rows on: _rms_rows_kernel
+ROW_ELEMENTS = 2048  # at most this many elements per program (16 heads of 128; 2 rows of 1,024)
 
 
 def _rms(flat: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, out: torch.Tensor,
@@ -90,11 +91,11 @@ def _rms(flat: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, out: torc
     per program: their bits do not depend on how many rows share the step)."""
     num_rows, dim = flat.shape
     block = triton.next_power_of_2(dim)
-    if num_rows >= MANY_ROWS:
-        grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM),)
+    rows = min(ROWS_PER_PROGRAM, ROW_ELEMENTS // block)  # wide rows: fewer per program
+    if num_rows >= MANY_ROWS and rows > 1:
+        grid = (triton.cdiv(num_rows, rows),)
         _rms_rows_kernel[grid](flat, weight.contiguous(), gate, out, num_rows, dim, z_stride,
-                               groups, eps, offset, HAS_GATE=has_gate, BLOCK=block,
-                               ROWS=ROWS_PER_PROGRAM)
+                               groups, eps, offset, HAS_GATE=has_gate, BLOCK=block, ROWS=rows)
         return
     _rms_kernel[(num_rows,)](flat, weight.contiguous(), gate, out, dim, z_stride, groups, eps,
                              offset, HAS_GATE=has_gate, BLOCK=block, **pdl_args())

@@ -92,6 +92,16 @@ def test_what_takes_a_long_fresh_graph() -> None:
         256, 256, 512, 1536, 6144, 8192, None]
 
 
+def test_memory_plan_counts_the_largest_long_graph() -> None:
+    """The long graph a chunk budget reaches (its pool is held for good): the bucket over the
+    budget, capped by DELTASERVE_PREFILL_GRAPH_TOKENS; none for short budgets or with 0."""
+    from deltaserve.engine.prefill_graph import long_rows
+
+    assert long_rows(2048, 16384) == 2048 and long_rows(5000, 16384) == 6144
+    assert long_rows(32768, 16384) == 16384 and long_rows(32768, 10000) == 8192
+    assert long_rows(128, 16384) == 0 and long_rows(8192, 0) == 0 and long_rows(8192, 100) == 0
+
+
 def test_long_fresh_prompts_match_the_prefill_path(tiny_llm) -> None:
     """Fresh prompts of 150..700 tokens in one chunk, cache off: the padded step with attention
     over the chunk's own rows gives the greedy tokens of the ordinary path and logits within
@@ -143,15 +153,15 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
     stages on padded rows, attention over the chunk's own rows); a replay gives the bits of the
     same padded step run eagerly, and the prefill logits are the eager engine's within bf16."""
     from deltaserve import LLM
+    from deltaserve.ops import fla_scan
 
     llm = LLM(tiny_dir, dtype="bfloat16", device="cuda")
+    fla_scan.tuned = None  # (LLM's own engine tuned already: the engines below must tune again)
     graph_engine, eager_engine = (make_engine(llm, prefix_bytes=0, budget=512, num_blocks=128)
                                   for _ in range(2))
     graphs = graph_engine.runner.prefill_graphs
     assert graphs is not None and graphs.capture
-    from deltaserve.ops import fla_scan
-
-    assert fla_scan.tuned is not None  # the engine tuned fla's stages at a prefill length
+    assert fla_scan.tuned == 512  # the engine tuned fla's stages at its prefill chunk length
     eager_engine.runner.prefill_graphs = None
     seen_graph, seen_eager = capture(graph_engine), capture(eager_engine)
     prompts = prompts_of([7, 30, 60, 300], seed=4)

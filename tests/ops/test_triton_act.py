@@ -30,7 +30,8 @@ def test_attention_sigmoid_gate_matches_reference(dtype) -> None:
     rows of a wider buffer (the o_proj input of a step whose chunk starts at row 3)."""
     torch.manual_seed(4)
     heads, tokens, dim = 3, 37, 64
-    o = torch.randn(heads, tokens, dim, device=KDEV).to(dtype)
+    # token-major, as SDPA leaves it: [T,HQ,D] memory seen as [HQ,T,D]
+    o = torch.randn(tokens, heads, dim, device=KDEV).to(dtype).transpose(0, 1)
     proj = (torch.randn(tokens, 2 * heads * dim + 96, device=KDEV) * 3).to(dtype)
     buf = torch.full((tokens + 5, heads * dim), 7.0, device=KDEV).to(dtype)
     triton_act.sigmoid_gate_cuda(o, proj, buf[3 : 3 + tokens])

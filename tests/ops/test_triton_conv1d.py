@@ -53,8 +53,12 @@ def test_conv_qkv_split_matches_reference(dtype, seq_len, key_dim, value_dim, he
 
 
 @needs_kernels
-def test_conv_qkv_split_refuses_heads_across_tiles() -> None:
-    x = torch.randn(1, 8, 3 * 96, device=KDEV)
+@pytest.mark.parametrize(("channels", "key_dim", "head_dim"),
+                         [(3 * 96, 96, 96), (3 * 192, 192, 128), (256, 128, 64)],
+                         ids=["head-not-pow2", "heads-across-tiles", "no-v-channels"])
+def test_conv_qkv_split_refuses_what_it_cannot_split(channels, key_dim, head_dim) -> None:
+    x = torch.randn(1, 8, channels, device=KDEV)
     with pytest.raises(ValueError, match="whole heads"):
-        triton_conv1d.causal_conv1d_qkv_cuda(x, torch.randn(3 * 96, 4, device=KDEV),
-                                             torch.zeros(1, 3 * 96, 3, device=KDEV), 96, 96)
+        triton_conv1d.causal_conv1d_qkv_cuda(x, torch.randn(channels, 4, device=KDEV),
+                                             torch.zeros(1, channels, 3, device=KDEV), key_dim,
+                                             head_dim)

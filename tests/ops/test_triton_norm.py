@@ -68,14 +68,15 @@ def test_gated_norm_of_a_bf16_model_prefill_is_one_kernel_rounded_once() -> None
 
 
 @needs_kernels
-@pytest.mark.parametrize("gated", [True, False])
-def test_many_row_norm_kernel_matches_reference(gated) -> None:
-    """A long prefill's norms (MANY_ROWS rows and more, 16 per program, a partial last program):
-    fp32 within 1e-6 of the references; the gate read in place from a strided projection view."""
+@pytest.mark.parametrize(("gated", "dim"), [(True, 128), (False, 128), (False, 1024)])
+def test_many_row_norm_kernel_matches_reference(gated, dim) -> None:
+    """A long prefill's norms (MANY_ROWS rows and more; 16 rows of 128 or 2 of 1,024 per program,
+    a partial last program): fp32 within 1e-6 of the references; the gate read in place from a
+    strided projection view."""
     rows = triton_norm.MANY_ROWS + 37
     torch.manual_seed(rows)
-    x = torch.randn(rows, 128, device=KDEV) * 3
-    w = torch.rand(128, device=KDEV) + 0.5
+    x = torch.randn(rows, dim, device=KDEV) * 3
+    w = torch.rand(dim, device=KDEV) + 0.5
     if gated:
         proj = torch.randn(rows, 128 + 24, device=KDEV)  # one head per row, row stride 152
         z = proj[:, 8 : 8 + 128]
