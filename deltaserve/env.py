@@ -50,6 +50,10 @@ class Env:
     # DELTASERVE_PREFILL_GRAPH_TOKENS: the longest fresh prefill chunk replayed from a CUDA graph
     # (engine/prefill_graph.LONG_BUCKETS; default 16384, 0 = only the short chunks' graphs)
     prefill_graph_tokens: int
+    # DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: long fresh chunks whose prefix snapshots are wanted
+    # (prefix cache on) replay from graphs too, keeping every 64th position's state (default off
+    # until measured on a GPU: engine/prefill_graph.py)
+    prefill_graph_snapshots: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -77,6 +81,7 @@ class Env:
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
             pdl=_flag("DELTASERVE_PDL", default=True),
             conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
+            prefill_graph_snapshots=_flag("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS"),
             prefill_graph_tokens=int(os.environ.get("DELTASERVE_PREFILL_GRAPH_TOKENS", "16384")
                                      or 0),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),

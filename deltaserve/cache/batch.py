@@ -31,6 +31,9 @@ class SeqChunk:
         return self.start_pos + self.num_tokens
 
 
+SNAP_GRID = 64  # fla's chunk and the finest prefix-snapshot granularity (cache/manager.py)
+
+
 @dataclass(frozen=True, slots=True)
 class GraphChunk:
     """One sequence's chunk of real_len tokens padded to T rows, described on the device only."""
@@ -41,6 +44,11 @@ class GraphChunk:
     # the chunk starts its sequence (position 0): attention reads only the chunk's own K/V
     # through the causal prefill kernel; else every row attends as a decode row over its table
     fresh: bool = False
+    # a fresh chunk that keeps prefix snapshots: each GDN layer writes its state and conv window
+    # after every SNAP_GRID-th row here (engine/prefill_graph.py reads out the wanted positions)
+    snap_states: torch.Tensor | None = None  # [T/SNAP_GRID, G, HV, K, V] fp32, G GDN layers
+    snap_windows: torch.Tensor | None = None  # [T/SNAP_GRID, G, C, W-1]
+    snap_layers: tuple[int, ...] = ()  # the GDN layers' indices, in G order
 
     def pad_rows(self) -> torch.Tensor:
         """[T] bool, True for the padding rows."""
@@ -49,6 +57,11 @@ class GraphChunk:
     def window_rows(self, width: int) -> torch.Tensor:
         """[width] rows of [old window | chunk] holding the conv inputs before the first pad."""
         return torch.arange(width, device=self.real_len.device) + self.real_len
+
+    def snap_positions(self) -> torch.Tensor:
+        """[T/SNAP_GRID] the positions (from the chunk's start) snap_states are taken at."""
+        num = self.snap_states.shape[0]
+        return (torch.arange(num, device=self.real_len.device) + 1) * SNAP_GRID
 
     def last_row(self) -> torch.Tensor:
         """[1] the last real row (where the next-token logits come from)."""

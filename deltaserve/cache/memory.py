@@ -104,19 +104,17 @@ def unit_bytes(model, block_len: int, kv_dtype: torch.dtype | None = None) -> tu
 
 def plan(model, max_model_len: int, num_slots: int, kv_cache_bytes: int, block_len: int,
          max_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-         graph_tokens: int = 0) -> tuple[int, MemoryReport]:
+         graph_bytes: int = 0) -> tuple[int, MemoryReport]:
     """KV blocks for the pools, and the report. Every slot may reach max_model_len until
     kv_cache_bytes binds; at least one max_model_len sequence always. On CUDA (memory allocated
     up front) the blocks are cut to what fits, or refused below one sequence; CPU pools are
-    touched only as used, so there the report is advice. graph_tokens: the activations a long
-    prefill graph keeps (engine/prefill_graph.graph_scratch_tokens), counted as scratch too."""
+    touched only as used, so there the report is advice. graph_bytes: what the long prefill
+    graphs keep (engine/prefill_graph.graph_scratch_bytes), counted as scratch too."""
     device = model.device
     per_slot, per_block = unit_bytes(model, block_len, kv_dtype)
     per_seq = -(-max_model_len // block_len)
     want = max(per_seq, min(per_seq * num_slots, kv_cache_bytes // max(per_block, 1)))
-    scratch = scratch_estimate(model, max_batched_tokens)
-    if graph_tokens:
-        scratch += scratch_estimate(model, graph_tokens)
+    scratch = scratch_estimate(model, max_batched_tokens) + graph_bytes
     avail = available_bytes(device)
     blocks = want
     if device.type == "cuda":

@@ -309,12 +309,12 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
     from deltaserve.checkpoint.fingerprint import model_fingerprint
-    from deltaserve.engine.prefill_graph import graph_scratch_tokens
+    from deltaserve.engine.prefill_graph import graph_scratch_bytes
 
     kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
     num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
                               max_num_batched_tokens, kv_dtype,
-                              graph_scratch_tokens(llm.model, max_num_batched_tokens))
+                              graph_scratch_bytes(llm.model, max_num_batched_tokens, 64))
     stage = getattr(llm.model, "pp", None)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)

@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 import torch
 
-from deltaserve.cache.batch import GraphChunk, SeqChunk, StepBatch
+from deltaserve.cache.batch import SNAP_GRID, GraphChunk, SeqChunk, StepBatch
 from deltaserve.engine.cuda_graph import capture, width_bucket
 
 TOKEN_BUCKETS = (16, 32, 64, 128)
@@ -36,6 +36,7 @@ TOKEN_BUCKETS = (16, 32, 64, 128)
 LONG_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MAX_PIECES = 4  # a chunk cut at its prefix-snapshot positions replays at most this many graphs
 FIELDS = ("ids", "positions", "kv_blocks", "kv_rows", "lengths")  # [T] each, then slot, real_len
+Key = tuple[int, int, bool, bool]  # rows, KV-table width, image rows, prefix snapshots kept
 
 
 def _bucket(n: int) -> int | None:
@@ -54,14 +55,21 @@ def long_rows(max_chunk_tokens: int, limit_tokens: int) -> int:
         (b for b in LONG_BUCKETS if b <= limit_tokens), default=0)
 
 
-def graph_scratch_tokens(model, max_chunk_tokens: int) -> int:
-    """Tokens of activations the long prefill graphs keep in their memory pool for good (their
-    largest bucket), beside an eager step's scratch: 0 where they do not run."""
+def graph_scratch_bytes(model, max_chunk_tokens: int, block_len: int) -> int:
+    """Memory the long prefill graphs keep for good, beside an eager step's scratch: their
+    largest bucket's activations (and, with DELTASERVE_PREFILL_GRAPH_SNAPSHOTS, a state slot
+    per 64 rows); 0 where they do not run."""
+    from deltaserve.cache.memory import scratch_estimate, unit_bytes
     from deltaserve.env import env
 
     if model.device.type != "cuda" or not env().cuda_graphs or not usable(model):
         return 0
-    return long_rows(max_chunk_tokens, env().prefill_graph_tokens)
+    rows = long_rows(max_chunk_tokens, env().prefill_graph_tokens)
+    if not rows:
+        return 0
+    snaps = rows // SNAP_GRID * unit_bytes(model, block_len)[0] if env().prefill_graph_snapshots \
+        else 0
+    return scratch_estimate(model, rows) + snaps
 
 
 def usable(model) -> bool:
@@ -89,11 +97,14 @@ class PrefillGraphs:
         # key -> (graph or None, static inputs, static output); without capture (CPU: tests of
         # the padded step) the step runs eagerly on the same static inputs
         self.capture = model.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[Key, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_runs = 0
-        self.failed: set[tuple[int, int, bool]] = set()  # keys whose capture ran out of memory
+        self.failed: set[Key] = set()  # keys whose capture failed (out of memory)
         from deltaserve.env import env
+
+        self.gdn_layers = tuple(i for i, r in enumerate(cache.states.recurrent) if r is not None)
+        self.long_snapshots = env().prefill_graph_snapshots and bool(self.gdn_layers)
 
         # long fresh chunks need attention's Triton path (power-of-two head and block dims) and,
         # on the GPU, fla's stages for the scan (the other scans are not worth a graph's memory)
@@ -113,8 +124,10 @@ class PrefillGraphs:
         None when it runs eagerly (drafts, a 1-token chunk, too long, too many pieces)."""
         if chunk.verify or chunk.num_tokens < 2:
             return None
-        if (chunk.start_pos == 0 and not chunk.snapshot_at and _bucket(chunk.num_tokens) is None
-                and _long_bucket(chunk.num_tokens, self.max_long_tokens)):
+        if (chunk.start_pos == 0 and _bucket(chunk.num_tokens) is None
+                and _long_bucket(chunk.num_tokens, self.max_long_tokens)
+                and (not chunk.snapshot_at or self.long_snapshots)
+                and all(p % SNAP_GRID == 0 for p in chunk.snapshot_at)):
             return [chunk]  # one fresh chunk, causal attention over its own rows
         cuts = sorted({chunk.start_pos, *chunk.snapshot_at, chunk.end_pos})
         if len(cuts) - 1 > MAX_PIECES:
@@ -132,7 +145,7 @@ class PrefillGraphs:
         if len(chunk.block_table) * block_len < chunk.end_pos:  # as StepBatch.build refuses
             raise ValueError(f"chunk has too few KV blocks: {chunk}")
         key = self.key(chunk, images)
-        num_rows, width, _ = key
+        num_rows, width, _, _ = key
         table = np.full(max(width, len(chunk.block_table)), self.spare_block, dtype=np.int64)
         table[: len(chunk.block_table)] = chunk.block_table
         row = np.arange(num_rows, dtype=np.int64)
@@ -149,15 +162,28 @@ class PrefillGraphs:
         ])
         return key, packed
 
-    def key(self, chunk: SeqChunk, images: bool = False) -> tuple[int, int, bool]:
-        """(rows, KV-table width, image rows) of the graph a piece from pieces() replays."""
+    def key(self, chunk: SeqChunk, images: bool = False) -> Key:
+        """(rows, KV-table width, image rows, snapshots kept) of the graph a piece from pieces()
+        replays."""
         if _bucket(chunk.num_tokens) is None:  # pieces() gives longer ones only when fresh
             if chunk.start_pos != 0:  # the long graphs' attention sees only the chunk's own rows
                 raise ValueError(f"a long graph chunk must start its sequence: {chunk}")
-            return _long_bucket(chunk.num_tokens, self.max_long_tokens), 0, images
-        return _bucket(chunk.num_tokens), width_bucket(len(chunk.block_table)), images
+            rows = _long_bucket(chunk.num_tokens, self.max_long_tokens)
+            return rows, 0, images, bool(chunk.snapshot_at)
+        return _bucket(chunk.num_tokens), width_bucket(len(chunk.block_table)), images, False
 
-    def ready(self, keys: list[tuple[int, int, bool]]) -> bool:
+    def snapshots(self, key: Key, positions: tuple[int, ...]) -> dict[int, dict]:
+        """The prefix snapshots a long graph step kept, at `positions` (grid positions of its
+        chunk): position -> {GDN layer: (conv window, state)}, one copy per position (its layers
+        are views of it: a snapshot's memory goes when the prefix cache drops it)."""
+        static, out = self.graphs[key][1], {}
+        for pos in positions:
+            states = static["snap_states"][pos // SNAP_GRID - 1].clone()
+            windows = static["snap_windows"][pos // SNAP_GRID - 1].clone()
+            out[pos] = {layer: (windows[g], states[g]) for g, layer in enumerate(self.gdn_layers)}
+        return out
+
+    def ready(self, keys: list[Key]) -> bool:
         """Every graph of a chunk's pieces captured, before any piece runs (capturing the missing
         ones); False when one could not be: the GPU had no memory for it. Such a key is remembered
         and its chunks run eagerly from then on."""
@@ -203,7 +229,7 @@ class PrefillGraphs:
         graph.replay()
         return out.clone()  # the static buffer is the next replay's
 
-    def static_inputs(self, num_rows: int, width: int, images: bool, device
+    def static_inputs(self, num_rows: int, width: int, images: bool, snaps: bool, device
                       ) -> dict[str, torch.Tensor]:
         packed = torch.empty(len(FIELDS) * num_rows + 2 + num_rows * width, dtype=torch.long,
                              device=device)
@@ -216,6 +242,14 @@ class PrefillGraphs:
             static["all_rows"] = torch.arange(num_rows, device=device)
             static["embeds"] = torch.zeros(num_rows, self.model.cfg.hidden_size,
                                            dtype=self.model.act_dtype, device=device)
+        if snaps:  # every grid position's state and window, per GDN layer
+            states, convs = self.cache.states.recurrent, self.cache.states.conv
+            first = self.gdn_layers[0]
+            grid = (num_rows // SNAP_GRID, len(self.gdn_layers))
+            static["snap_states"] = torch.zeros(*grid, *states[first].shape[1:],
+                                                dtype=states[first].dtype, device=device)
+            static["snap_windows"] = torch.zeros(*grid, *convs[first].shape[1:],
+                                                 dtype=convs[first].dtype, device=device)
         return static
 
     def batch(self, static: dict[str, torch.Tensor]) -> StepBatch:
@@ -229,7 +263,9 @@ class PrefillGraphs:
         fresh = static["tables"].shape[1] == 0
         if not fresh:  # every row attends as a decode row over its table
             batch.decode_tables, batch.decode_lengths = static["tables"], static["lengths"]
-        batch.graph_chunk = GraphChunk(static["slot"], static["real_len"], num_rows, fresh)
+        batch.graph_chunk = GraphChunk(static["slot"], static["real_len"], num_rows, fresh,
+                                       static.get("snap_states"), static.get("snap_windows"),
+                                       self.gdn_layers)
         return batch
 
     def forward(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -238,8 +274,8 @@ class PrefillGraphs:
         return self.model.forward_batch(static["ids"], self.batch(static), greedy=self.greedy,
                                         inject=inject)
 
-    def _capture(self, num_rows: int, width: int, images: bool):
-        static = self.static_inputs(num_rows, width, images, self.model.device)
+    def _capture(self, num_rows: int, width: int, images: bool, snaps: bool):
+        static = self.static_inputs(num_rows, width, images, snaps, self.model.device)
         for name, value in (("ids", 0), ("positions", 0), ("kv_blocks", self.spare_block),
                             ("kv_rows", 0), ("lengths", 1), ("slot", self.spare_slot),
                             ("real_len", num_rows), ("tables", self.spare_block)):

@@ -162,7 +162,10 @@ class ModelRunner:
         for piece, inject in zip(pieces, injects, strict=True):
             lo = piece.start_pos - chunk.start_pos
             out = graphs.run(ids[lo : lo + piece.num_tokens], piece, inject)
-            if piece.end_pos in chunk.snapshot_at:
+            if piece.snapshot_at:  # a long fresh chunk: the graph kept every grid position's
+                snaps.update(graphs.snapshots(graphs.key(piece, inject is not None),
+                                              piece.snapshot_at))
+            elif piece.end_pos in chunk.snapshot_at:
                 snaps[piece.end_pos] = dict(enumerate(self.cache.states.snapshot(chunk.slot)))
         logits = _step_logits(out, plan)
         rid = plan.chunks[0].request_id

@@ -57,7 +57,7 @@ def test_what_takes_the_padded_step() -> None:
     from deltaserve.cache.batch import SeqChunk
 
     graphs = PrefillGraphs.__new__(PrefillGraphs)
-    graphs.max_long_tokens = 0  # short chunks only (DELTASERVE_PREFILL_GRAPH_TOKENS=0)
+    graphs.max_long_tokens, graphs.long_snapshots = 0, False  # short chunks only
     table = (1, 2, 3, 4)
     assert graphs.pieces(SeqChunk(0, 0, 40, table)) == [SeqChunk(0, 0, 40, table)]
     assert graphs.pieces(SeqChunk(0, 100, 128, table)) == [SeqChunk(0, 100, 128, table)]
@@ -80,7 +80,7 @@ def test_what_takes_a_long_fresh_graph() -> None:
     from deltaserve.engine.prefill_graph import _long_bucket
 
     graphs = PrefillGraphs.__new__(PrefillGraphs)
-    graphs.max_long_tokens = 4096
+    graphs.max_long_tokens, graphs.long_snapshots = 4096, False
     table = tuple(range(300))
     assert graphs.pieces(SeqChunk(0, 0, 129, table)) == [SeqChunk(0, 0, 129, table)]
     assert graphs.pieces(SeqChunk(0, 0, 4096, table)) == [SeqChunk(0, 0, 4096, table)]
@@ -90,6 +90,11 @@ def test_what_takes_a_long_fresh_graph() -> None:
     assert graphs.pieces(SeqChunk(0, 0, 300, table, verify=True)) is None
     assert [_long_bucket(n, 8192) for n in (129, 256, 257, 1100, 5000, 8192, 8193)] == [
         256, 256, 512, 1536, 6144, 8192, None]
+    graphs.long_snapshots = True  # DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: snapshots kept inside
+    with_snaps = SeqChunk(0, 0, 300, table, snapshot_at=(64, 128, 192, 256))
+    assert graphs.pieces(with_snaps) == [with_snaps]
+    assert graphs.key(with_snaps) == (512, 0, False, True)
+    assert graphs.key(SeqChunk(0, 0, 300, table)) == (512, 0, False, False)
 
 
 def test_memory_plan_counts_the_largest_long_graph() -> None:
@@ -114,7 +119,8 @@ def test_long_fresh_prompts_match_the_prefill_path(tiny_llm) -> None:
         assert run_all(graph, {rid: ids}) == run_all(plain, {rid: ids}), rid
         assert rel(torch.stack(seen_graph[rid]), torch.stack(seen_plain[rid])) <= 1e-5, rid
     assert graphs.num_runs == 3
-    assert {key[:2] for key in graphs.graphs} == {(256, 0), (512, 0), (1024, 0)}
+    assert set(graphs.graphs) == {(256, 0, False, False), (512, 0, False, False),
+                                  (1024, 0, False, False)}
 
 
 def test_long_prompts_with_snapshots_or_a_later_chunk_run_eagerly(tiny_llm) -> None:
@@ -192,6 +198,40 @@ def test_captured_prefill_replays_the_padded_step(tiny_dir) -> None:
         assert torch.equal(replayed, graphs.forward(static))
 
 
+def test_long_graph_keeps_the_prefix_snapshots(tiny_llm, monkeypatch) -> None:
+    """DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1, prefix cache on: a fresh 300-token prompt replays one
+    512-row graph that keeps every 64th position's state; the snapshots it stores are the eager
+    path's (same positions, states and windows within 1e-5), and prompts that hit them later
+    give the tokens of a cold engine."""
+    from deltaserve.env import env
+
+    monkeypatch.setenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS", "1")
+    env.cache_clear()
+    try:
+        plain = make_engine(tiny_llm, budget=1024, num_blocks=128)
+        graph = make_engine(tiny_llm, budget=1024, num_blocks=128)
+        graphs = padded(graph)
+    finally:  # the knob only for these engines' graphs: later env() reads see it unset
+        monkeypatch.delenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS")
+        env.cache_clear()
+    assert graphs.long_snapshots
+    base = prompts_of([300], seed=12)["r0"]
+    assert run_all(graph, {"seed": base}) == run_all(plain, {"seed": base})
+    assert graphs.num_runs == 1 and set(graphs.graphs) == {(512, 0, False, True)}
+    got, want = graph.cache.prefix.entries, plain.cache.prefix.entries
+    assert sorted(e.length for e in got.values()) == sorted(e.length for e in want.values()) == [
+        64, 128, 192, 256]
+    for key, entry in want.items():
+        for ours, theirs in zip(got[key].states, entry.states, strict=True):
+            if theirs is not None:
+                assert rel(ours[0], theirs[0]) <= 1e-5 and rel(ours[1], theirs[1]) <= 1e-5
+    cold = make_engine(tiny_llm, prefix_bytes=0, budget=1024, num_blocks=128)
+    for rid, ids in {"hit192": base[:200] + [7, 8, 9], "hit256": base[:290] + [3] * 20}.items():
+        hits = graph.cache.prefix.hits
+        assert run_all(graph, {rid: ids}) == run_all(cold, {rid: ids}), rid
+        assert graph.cache.prefix.hits == hits + 1
+
+
 def test_a_graph_without_memory_to_capture_runs_eagerly(tiny_llm) -> None:
     """A capture that runs out of GPU memory (simulated: the CPU run pretends to capture) leaves
     nothing run: the chunk takes the ordinary path, with its tokens, a warning names the graph, and
@@ -214,5 +254,41 @@ def test_a_graph_without_memory_to_capture_runs_eagerly(tiny_llm) -> None:
         warnings.simplefilter("error", UserWarning)  # not tried (nor warned about) again
         got = run_all(graph, {second: second_ids})
     assert got == run_all(plain, {second: second_ids})
-    assert attempts == [(512, 0, False)] and graphs.failed == {(512, 0, False)}
+    assert attempts == [(512, 0, False, False)] and graphs.failed == {(512, 0, False, False)}
     assert graphs.num_runs == 0
+
+
+@pytest.mark.gpu
+def test_captured_long_graph_keeps_the_eager_snapshots(tiny_dir, monkeypatch) -> None:
+    """bf16 on CUDA, prefix cache on, DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: a fresh 300-token
+    prompt replays a captured 512-row graph (fla's fp32 state pass on padded rows inside it); the
+    snapshots it stores match the eager engine's (same positions, states within 1e-2)."""
+    from deltaserve import LLM
+    from deltaserve.env import env
+
+    llm = LLM(tiny_dir, dtype="bfloat16", device="cuda")
+    monkeypatch.setenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS", "1")
+    env.cache_clear()
+    try:
+        graph_engine, eager_engine = (make_engine(llm, budget=512, num_blocks=128)
+                                      for _ in range(2))
+    finally:
+        monkeypatch.delenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS")
+        env.cache_clear()
+    graphs = graph_engine.runner.prefill_graphs
+    assert graphs is not None and graphs.capture and graphs.long_snapshots
+    eager_engine.runner.prefill_graphs = None
+    base = prompts_of([300], seed=13)["r0"]
+    run_all(graph_engine, {"seed": base})
+    run_all(eager_engine, {"seed": base})
+    assert graphs.num_runs == 1 and set(graphs.graphs) == {(512, 0, False, True)}
+    got, want = graph_engine.cache.prefix.entries, eager_engine.cache.prefix.entries
+    assert sorted(e.length for e in got.values()) == sorted(e.length for e in want.values())
+    errs = []
+    for key, entry in want.items():
+        for ours, theirs in zip(got[key].states, entry.states, strict=True):
+            if theirs is not None:
+                errs.append(max(rel(ours[0].float(), theirs[0].float()),
+                                rel(ours[1], theirs[1])))
+    print(f"graph vs eager snapshots: max rel {max(errs):.2e}")
+    assert max(errs) <= 1e-2
