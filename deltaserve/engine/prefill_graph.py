@@ -18,7 +18,10 @@ whose host time (fla's stage wrappers, Triton's launcher) matched its ~30 ms of 
 the GDN layers run as above (fla's stages on the padded rows), and attention runs the causal
 prefill kernel over the chunk's own K/V, read back from the rows it was written to: padding rows
 (positioned at the last real token, writing the spare block) come after every real row, so no
-real row sees them.
+real row sees them. With DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1 a fresh chunk whose prefix snapshots
+are wanted takes a long graph too: its GDN layers keep the state and conv window after every 64th
+row in a static buffer, and the runner copies out the wanted positions after the replay (off by
+default until a GPU run measures it).
 """
 
 from __future__ import annotations
