@@ -148,6 +148,34 @@ def kernels(llm: LLM, n: int) -> dict:
             "kernels": [[name, int(c), round(us, 1)] for name, (c, us) in ranked[:45]]}
 
 
+def prefix_on(model: str, lens: list[int], repeats: int) -> list[dict]:
+    """generate() of fresh prompts (new random ids each call: no prefix hits) with the prefix
+    cache on, as users run it (snapshots wanted every 64 tokens): median ms per length."""
+    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=8192)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for n in lens:
+        gen = torch.Generator().manual_seed(n)
+        prompts = [torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
+                   for _ in range(repeats + 1)]
+        llm.generate([prompts[0]], one)  # warm-up (captures a graph where one is taken)
+        runs = _timed_ms_each(llm, prompts[1:], one)
+        rows.append({"tokens": n, "prefix_cache": True, "generate_ms": runs,
+                     "tok_s": n / statistics.median(runs) * 1e3})
+    return rows
+
+
+def _timed_ms_each(llm: LLM, prompts: list, params) -> list[float]:
+    out = []
+    for ids in prompts:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([ids], params)
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -156,7 +184,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--why", action="store_true", help="the first sync and a cProfile, not timings")
     ap.add_argument("--kernels", action="store_true", help="the eager forward's kernel table")
+    ap.add_argument("--prefix-on", action="store_true",
+                    help="generate() of fresh prompts with the prefix cache on, nothing else")
     args = ap.parse_args()
+    if args.prefix_on:
+        rows = prefix_on(args.model, [int(v) for v in args.lens.split(",")], args.repeats)
+        for row in rows:
+            print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
+        Path(args.out).write_text(json.dumps({"kind": "h200-prefill-prefix-on", "rows": rows,
+                                              "git_commit": env().git_commit}, indent=1))
+        return
     llm = LLM(args.model, dtype="bfloat16", device="cuda", prefix_cache_bytes=0, max_num_seqs=4,
               max_num_batched_tokens=8192)
     rows = []

@@ -197,6 +197,20 @@ why)  # issue 6: what stops the capture (first sync inside forward_batch), cProf
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
         --out "$OUT/prefill-why.json" 2>&1 | grep -v -i warn | cut -c1-700 | tail -45
     ;;
+next)  # issue 6, next session: this session's unmeasured code (snapshot-keeping long graphs, the
+    # review's test changes), the split-attention probe, prefix-on prefill with snapshot graphs off/on
+    timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_prefill_graph.py \
+        tests/ops/test_triton_conv1d.py tests/ops/test_triton_act.py tests/ops/test_triton_norm.py \
+        tests/ops/test_gemv_prologue.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | grep -E "passed|failed|FAILED|Error|rel" | tail -14
+    timeout 120 python3 scripts/gpu/attention_split_probe.py --out "$OUT/split-probe.json" 2>&1 \
+        | grep -v -i warn | cut -c1-300 | tail -4
+    for snaps in 0 1; do
+        DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=$snaps timeout 100 python3 scripts/gpu/prefill_capture.py \
+            --model /tmp/q08 --lens 2048,8192 --prefix-on --out "$OUT/prefix-on-snaps$snaps.json" \
+            2>&1 | grep -v -i warn | cut -c1-200 | tail -2
+    done
+    ;;
 eager)  # issue 6: new kernels' tests; why the eager prefill got slower (fla's disk cache A/B, cProfile)
     timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
         tests/ops/test_conv1d_attention.py tests/ops/test_triton_norm.py tests/ops/test_triton_act.py \
