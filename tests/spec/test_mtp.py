@@ -80,3 +80,40 @@ def test_mtp_block_matches_the_formula(tiny_llm, tiny_dir) -> None:
     got = torch.cat([run(0, 9), run(9, 10), run(10, 12)])  # a chunk, then steps: one KV
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     assert kv.length == num_tokens
+
+
+def test_batched_drafts_equal_one_request_at_a_time(tiny_llm, tiny_dir) -> None:
+    """propose_many (the block per request, one head call per draft depth over all requests)
+    gives each request the chain it gets alone, and leaves each track as it found it."""
+    from types import SimpleNamespace
+
+    from deltaserve.spec.mtp import MTPDrafter, _Track
+
+    model, cfg = tiny_llm.model, tiny_llm.config
+    drafter = MTPDrafter(model, SimpleNamespace(), tiny_dir)
+    try:
+        g = torch.Generator().manual_seed(1)
+        inputs = {rid: (torch.randn(n, cfg.hidden_size, generator=g),
+                        torch.randint(0, 1000, (n,), generator=g).tolist())
+                  for rid, n in (("a", 7), ("b", 4), ("c", 5))}
+        wanted = {"a": 3, "b": 2, "c": 0}
+
+        def fed(rids) -> dict[str, _Track]:
+            tracks = {rid: _Track(drafter._new_kv()) for rid in rids}
+            for rid, track in tracks.items():
+                drafter.run(track, *inputs[rid], 0)
+            return tracks
+
+        alone = {}
+        for rid in ("a", "b"):
+            drafter._tracks = fed([rid])
+            drafter.draft(list(drafter._tracks.values()))
+            alone[rid] = drafter.propose(rid, wanted[rid])
+        drafter._tracks = fed(inputs)
+        drafter.draft(list(drafter._tracks.values()))
+        before = {rid: (t.draft, t.position, t.kv.length) for rid, t in drafter._tracks.items()}
+        assert drafter.propose_many(wanted) == alone and len(alone["a"]) == 3
+        assert {rid: (t.draft, t.position) for rid, t in drafter._tracks.items()} == {
+            rid: b[:2] for rid, b in before.items()}
+    finally:
+        model.keep_hidden = False  # the session's model: as the drafter found it
