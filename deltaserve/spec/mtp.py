@@ -56,6 +56,21 @@ class MTPBlock(nn.Module):
         return self.norm(self.layers[0](x, self.full_idx, state, cos_sin))
 
 
+    def forward_steps(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin,
+                      kvs: list[KVCache]) -> torch.Tensor:
+        """One position per request, each continuing its own KV: embeds, hidden [1,R,N], cos_sin
+        of the R positions -> normed hidden [1,R,N], as forward() per request, with fc, norms and
+        MLP over all rows at once and only attention per request."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
+        x = self.fc(x)
+        layer, (cos, sin) = self.layers[0], cos_sin
+        h = layer.input_layernorm(x)
+        x = x + torch.cat([layer.self_attn(h[:, i : i + 1], (cos[i : i + 1], sin[i : i + 1]), kv)
+                           for i, kv in enumerate(kvs)], dim=1)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
 def load_mtp(model, model_dir: Path) -> MTPBlock:
     """The checkpoint's mtp.* tensors in an MTPBlock beside `model` (same dtype and device)."""
     cfg = model.cfg
@@ -117,6 +132,21 @@ class MTPDrafter:
         track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
 
     @torch.inference_mode()
+    def step(self, tracks: list[_Track], next_ids: list[int]) -> None:
+        """run() of one further position for each track (its kept output as h, next_ids as the
+        tokens), the block over all of them at once (forward_steps)."""
+        model = self.model
+        for track in tracks:
+            track.kv.length = min(track.kv.length, track.position + 1)
+        ids = torch.tensor([next_ids], device=model.device)
+        positions = torch.tensor([t.position + 1 for t in tracks], device=model.device)
+        cos_sin = model.rotary().cos_sin(positions, model.act_dtype)
+        hidden = torch.cat([t.hidden[0] for t in tracks])[None].to(model.act_dtype)
+        out = self.block.forward_steps(model._embed(ids), hidden, cos_sin, [t.kv for t in tracks])
+        for i, track in enumerate(tracks):
+            track.hidden, track.position = out[:, i : i + 1], track.position + 1
+
+    @torch.inference_mode()
     def draft(self, tracks: list[_Track]) -> None:
         """Each track's next draft from its kept output: one head call for all of them (the head
         is the drafter's largest weight: a 248k x N matrix on Qwen3.5, read once per step instead
@@ -149,8 +179,8 @@ class MTPDrafter:
         return self.propose_many({rid: num}).get(rid, [])
 
     def propose_many(self, wanted: dict[str, int]) -> dict[str, list[int]]:
-        """propose() for several requests at once: each further draft depth runs the block per
-        request (its own KV) and one head call over all of them."""
+        """propose() for several requests at once: each further draft depth is one block step
+        over all of them (attention per request, on its own KV) and one head call."""
         tracks = {rid: self._tracks[rid] for rid, num in wanted.items()
                   if num > 0 and rid in self._tracks and self._tracks[rid].draft is not None}
         firsts = {rid: (t.draft, t.hidden, t.position) for rid, t in tracks.items()}
@@ -159,9 +189,7 @@ class MTPDrafter:
             growing = [rid for rid in tracks if len(drafts[rid]) < wanted[rid]]
             if not growing:
                 break
-            for rid in growing:
-                track = tracks[rid]
-                self.run(track, track.hidden[0], [drafts[rid][-1]], track.position + 1)
+            self.step([tracks[rid] for rid in growing], [drafts[rid][-1] for rid in growing])
             self.draft([tracks[rid] for rid in growing])
             for rid in growing:
                 drafts[rid].append(tracks[rid].draft)

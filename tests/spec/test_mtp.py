@@ -117,3 +117,37 @@ def test_batched_drafts_equal_one_request_at_a_time(tiny_llm, tiny_dir) -> None:
             rid: b[:2] for rid, b in before.items()}
     finally:
         model.keep_hidden = False  # the session's model: as the drafter found it
+
+
+def test_block_steps_over_requests_equal_one_at_a_time(tiny_llm, tiny_dir) -> None:
+    """forward_steps: one position for each of three requests with KV of different lengths, fc /
+    norms / MLP over all rows at once: each row within 1e-5 of forward() on that request alone,
+    and each KV appended by one position."""
+    model, cfg = tiny_llm.model, tiny_llm.config
+    block = load_mtp(model, tiny_dir)
+    g = torch.Generator().manual_seed(2)
+
+    def kv_of(length: int) -> KVCache:
+        empty = torch.empty(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+        kv = KVCache(empty, empty.clone())
+        ids = torch.randint(0, 1000, (1, length), generator=g)
+        cos_sin = model.rotary().cos_sin(torch.arange(length), torch.float32)
+        with torch.inference_mode():
+            block(model._embed(ids), torch.randn(1, length, cfg.hidden_size, generator=g),
+                  cos_sin, kv)
+        return kv
+
+    lengths = (5, 1, 9)
+    kvs, alone = [kv_of(n) for n in lengths], [kv_of(n) for n in lengths]
+    for a, b in zip(kvs, alone, strict=True):  # the same history in both
+        b.k, b.v, b.length = a.k.clone(), a.v.clone(), a.length
+    ids = torch.randint(0, 1000, (1, 3), generator=g)
+    hidden = torch.randn(1, 3, cfg.hidden_size, generator=g)
+    cos_sin = model.rotary().cos_sin(torch.tensor(lengths), torch.float32)
+    with torch.inference_mode():
+        got = block.forward_steps(model._embed(ids), hidden, cos_sin, kvs)[0]
+        for i, n in enumerate(lengths):
+            one = model.rotary().cos_sin(torch.tensor([n]), torch.float32)
+            want = block(model._embed(ids[:, i : i + 1]), hidden[:, i : i + 1], one, alone[i])[0, 0]
+            assert ((got[i] - want).norm() / want.norm()).item() <= 1e-5
+            assert kvs[i].length == alone[i].length == n + 1
