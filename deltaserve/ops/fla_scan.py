@@ -13,6 +13,7 @@ mid-grid, a granularity not a multiple of 64) starts a new call there.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -64,8 +65,10 @@ def _stages():
         chunk_gated_delta_rule_fwd_h, chunk_fwd_o
 
 
+@functools.cache
 def stages_available() -> bool:
-    """fla-core's stage functions import under the names this driver calls (fla 0.6)."""
+    """fla-core's stage functions import under the names this driver calls (fla 0.6); asked per
+    GDN layer call, answered once per process."""
     try:
         _stages()
     except (ImportError, AttributeError):

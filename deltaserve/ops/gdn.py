@@ -8,6 +8,8 @@ S <- S*exp(g); d = (v - S^T k)*beta; S <- S + k d^T; o = S^T q.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -149,14 +151,19 @@ def gdn_chunked(
 def fla_usable(q: torch.Tensor) -> bool:
     """fla-core's chunk kernel for the prefill scan: CUDA, 16-bit activations (in fp32 mode its
     tensor-core dots would round to TF32; the torch scan keeps fp32 exact), the triton backend."""
-    import importlib.util
-
     from deltaserve.env import env
     from deltaserve.ops.backend import triton_enabled
 
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and env().fla
             and not env().reference_ops and triton_enabled()
-            and importlib.util.find_spec("fla") is not None)
+            and _fla_installed())
+
+
+@functools.cache
+def _fla_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
 
 
 SCAN_MAX_TOKENS = 128  # CUDA: chunks up to this many tokens take the one-launch recurrent scan
