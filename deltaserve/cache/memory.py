@@ -75,14 +75,18 @@ def weights_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def scratch_estimate(model, max_batched_tokens: int) -> int:
-    """One step's transient memory, roughly: the widest activations (vocab logits of the step's
-    sampling rows aside) times the tokens in a step, and one dequantized/widened fp32 weight."""
+def activation_bytes(model, num_tokens: int) -> int:
+    """A step's activations, roughly: the widest ones (vocab logits of the step's sampling rows
+    aside) times the tokens in the step."""
     cfg = model.cfg
-    widest = max(cfg.intermediate_size * 2, cfg.hidden_size * 8)
-    activations = max_batched_tokens * widest * 4 * 4
+    return num_tokens * max(cfg.intermediate_size * 2, cfg.hidden_size * 8) * 4 * 4
+
+
+def scratch_estimate(model, max_batched_tokens: int) -> int:
+    """One step's transient memory, roughly: its activations and one dequantized/widened fp32
+    weight."""
     largest_weight = max((p.numel() for p in model.parameters()), default=0)
-    return activations + min(largest_weight * 4, 64 * 2**20 * 4)
+    return activation_bytes(model, max_batched_tokens) + min(largest_weight * 4, 64 * 2**20 * 4)
 
 
 def unit_bytes(model, block_len: int, kv_dtype: torch.dtype | None = None) -> tuple[int, int]:

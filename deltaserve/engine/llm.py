@@ -314,7 +314,8 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
     num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
                               max_num_batched_tokens, kv_dtype,
-                              graph_scratch_bytes(llm.model, max_num_batched_tokens, 64))
+                              0 if speculative is not None and speculative.method == "mtp"
+                              else graph_scratch_bytes(llm.model, max_num_batched_tokens, 64))
     stage = getattr(llm.model, "pp", None)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)

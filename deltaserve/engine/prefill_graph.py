@@ -60,19 +60,35 @@ def long_rows(max_chunk_tokens: int, limit_tokens: int) -> int:
 
 def graph_scratch_bytes(model, max_chunk_tokens: int, block_len: int) -> int:
     """Memory the long prefill graphs keep for good, beside an eager step's scratch: their
-    largest bucket's activations (and, with DELTASERVE_PREFILL_GRAPH_SNAPSHOTS, a state slot
-    per 64 rows); 0 where they do not run."""
-    from deltaserve.cache.memory import scratch_estimate, unit_bytes
+    largest bucket's activations (and, with DELTASERVE_PREFILL_GRAPH_SNAPSHOTS, the shared
+    snapshot buffer: a state slot per 64 rows); 0 where they do not run."""
+    from deltaserve.cache.memory import activation_bytes, unit_bytes
     from deltaserve.env import env
 
-    if model.device.type != "cuda" or not env().cuda_graphs or not usable(model):
+    if model.device.type != "cuda" or not env().cuda_graphs or not usable(model) \
+            or not long_graphs_run(model, block_len):
         return 0
     rows = long_rows(max_chunk_tokens, env().prefill_graph_tokens)
     if not rows:
         return 0
     snaps = rows // SNAP_GRID * unit_bytes(model, block_len)[0] if env().prefill_graph_snapshots \
         else 0
-    return scratch_estimate(model, rows) + snaps
+    return activation_bytes(model, rows) + snaps
+
+
+def long_graphs_run(model, block_len: int) -> bool:
+    """Long fresh chunks can take graphs: attention's Triton path (power-of-two head and block
+    dims) and, on the GPU, fla's stages for the scan (the other scans are not worth a graph's
+    memory)."""
+    cfg = model.cfg
+    if cfg.head_dim & (cfg.head_dim - 1) or block_len & (block_len - 1):
+        return False
+    if model.device.type != "cuda" or not cfg.linear_num_value_heads:
+        return True
+    from deltaserve.ops.gdn import takes_fla_stages
+
+    probe = torch.empty(1, LONG_BUCKETS[0], 1, dtype=model.act_dtype, device=model.device)
+    return takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
 def usable(model) -> bool:
@@ -109,17 +125,9 @@ class PrefillGraphs:
         self.gdn_layers = tuple(i for i, r in enumerate(cache.states.recurrent) if r is not None)
         self.long_snapshots = env().prefill_graph_snapshots and bool(self.gdn_layers)
 
-        # long fresh chunks need attention's Triton path (power-of-two head and block dims) and,
-        # on the GPU, fla's stages for the scan (the other scans are not worth a graph's memory)
-        cfg, block_len = model.cfg, cache.kv.block_len
-        pow2 = cfg.head_dim & (cfg.head_dim - 1) == 0 and block_len & (block_len - 1) == 0
-        self.max_long_tokens = env().prefill_graph_tokens if pow2 else 0
-        if self.capture and cfg.linear_num_value_heads:
-            from deltaserve.ops.gdn import takes_fla_stages
-
-            probe = torch.empty(1, LONG_BUCKETS[0], 1, dtype=model.act_dtype, device=model.device)
-            if not takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
-                self.max_long_tokens = 0
+        runs = long_graphs_run(model, cache.kv.block_len)
+        self.max_long_tokens = env().prefill_graph_tokens if runs else 0
+        self._snap_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
@@ -140,7 +148,7 @@ class PrefillGraphs:
         return pieces if all(_bucket(p.num_tokens) for p in pieces) else None
 
     def host_inputs(self, ids: list[int], chunk: SeqChunk, images: bool = False
-                    ) -> tuple[tuple[int, int, bool], np.ndarray]:
+                    ) -> tuple[Key, np.ndarray]:
         """(graph key, the packed int64 inputs: FIELDS [T] each, slot, real_len, tables [T*W];
         a fresh long chunk has no tables, W = 0)."""
         real = chunk.num_tokens
@@ -246,14 +254,26 @@ class PrefillGraphs:
             static["embeds"] = torch.zeros(num_rows, self.model.cfg.hidden_size,
                                            dtype=self.model.act_dtype, device=device)
         if snaps:  # every grid position's state and window, per GDN layer
+            states, windows = self._snapshot_buffers(device)
+            static["snap_states"] = states[: num_rows // SNAP_GRID]
+            static["snap_windows"] = windows[: num_rows // SNAP_GRID]
+        return static
+
+    def _snapshot_buffers(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One [positions, GDN layers, ...] buffer of states and one of windows for the largest
+        bucket, shared by every graph that keeps snapshots (replays run one at a time and
+        snapshots() copies out right after each)."""
+        if self._snap_buffers is None:
             states, convs = self.cache.states.recurrent, self.cache.states.conv
             first = self.gdn_layers[0]
-            grid = (num_rows // SNAP_GRID, len(self.gdn_layers))
-            static["snap_states"] = torch.zeros(*grid, *states[first].shape[1:],
-                                                dtype=states[first].dtype, device=device)
-            static["snap_windows"] = torch.zeros(*grid, *convs[first].shape[1:],
-                                                 dtype=convs[first].dtype, device=device)
-        return static
+            rows = max((b for b in LONG_BUCKETS if b <= self.max_long_tokens), default=0)
+            grid = (rows // SNAP_GRID, len(self.gdn_layers))
+            self._snap_buffers = (
+                torch.zeros(*grid, *states[first].shape[1:], dtype=states[first].dtype,
+                            device=device),
+                torch.zeros(*grid, *convs[first].shape[1:], dtype=convs[first].dtype,
+                            device=device))
+        return self._snap_buffers
 
     def batch(self, static: dict[str, torch.Tensor]) -> StepBatch:
         """A StepBatch whose tensors are the graph's static inputs (one padded graph chunk)."""

@@ -95,13 +95,19 @@ class Speculator:
     def _append_drafts(self, plan: StepPlan) -> StepPlan:
         chunks, changed = [], False
         budget = self.engine.scheduler.config.max_num_batched_tokens - plan.num_tokens
-        wanted, left = {}, budget  # drafts per chunk, the budget taken in plan order
+        proposed = None  # MTP drafts every chunk at once (the budget shared out in plan order)
+        if self.mtp is not None:
+            wanted, left = {}, budget
+            for c in plan.chunks:
+                wanted[c.request_id] = num = min(self._num_drafts(c), max(left, 0))
+                left -= num
+            proposed = self.mtp.propose_many({rid: num for rid, num in wanted.items() if num})
         for c in plan.chunks:
-            wanted[c.request_id] = num = min(self._num_drafts(c), max(left, 0))
-            left -= num
-        proposed = self._propose_all({rid: num for rid, num in wanted.items() if num})
-        for c in plan.chunks:
-            drafts = proposed.get(c.request_id, [])[: max(budget, 0)]
+            if proposed is not None:
+                drafts = proposed.get(c.request_id, [])[: max(budget, 0)]
+            else:  # one request at a time: the budget a short proposal leaves goes on
+                num = min(self._num_drafts(c), max(budget, 0))
+                drafts = self._propose(c.request_id, num) if num else []
             if drafts and self.engine.cache.reserve(c.request_id, c.start_pos + 1 + len(drafts)):
                 c = dataclasses.replace(c, token_ids=c.token_ids + tuple(drafts),
                                         num_draft=len(drafts))
@@ -127,13 +133,6 @@ class Speculator:
         left = live.max_new - len(req.output_ids) - 1  # the step yields up to drafts + 1 tokens
         room = self.engine.cache.capacity_tokens() - c.start_pos - 1
         return max(0, min(self.config.num_speculative_tokens, left, room))
-
-    def _propose_all(self, wanted: dict[str, int]) -> dict[str, list[int]]:
-        """Drafts for every request in `wanted` (request id -> how many): the MTP drafter's in one
-        batch (spec/mtp.py), else _propose per request."""
-        if self.mtp is not None:
-            return self.mtp.propose_many(wanted)
-        return {rid: self._propose(rid, num) for rid, num in wanted.items()}
 
     def _propose(self, rid: str, num: int) -> list[int]:
         if self.mtp is not None:

@@ -215,13 +215,14 @@ def test_long_graph_keeps_the_prefix_snapshots(tiny_llm, monkeypatch) -> None:
         monkeypatch.delenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS")
         env.cache_clear()
     assert graphs.long_snapshots
-    base = prompts_of([300], seed=12)["r0"]
-    assert run_all(graph, {"seed": base}) == run_all(plain, {"seed": base})
-    assert graphs.num_runs == 1 and set(graphs.graphs) == {(512, 0, False, True)}
+    base, other = prompts_of([300, 320], seed=12).values()  # 320: a snapshot at its very end
+    for ids in (base, other):  # two replays of one 512-row graph and its shared buffer
+        assert run_all(graph, {"p": ids}) == run_all(plain, {"p": ids})
+    assert graphs.num_runs == 2 and set(graphs.graphs) == {(512, 0, False, True)}
     got, want = graph.cache.prefix.entries, plain.cache.prefix.entries
     assert sorted(e.length for e in got.values()) == sorted(e.length for e in want.values()) == [
-        64, 128, 192, 256]
-    for key, entry in want.items():
+        64, 64, 128, 128, 192, 192, 256, 256, 320]
+    for key, entry in want.items():  # the first prompt's too: copies, not the reused buffer
         for ours, theirs in zip(got[key].states, entry.states, strict=True):
             if theirs is not None:
                 assert rel(ours[0], theirs[0]) <= 1e-5 and rel(ours[1], theirs[1]) <= 1e-5

@@ -105,16 +105,21 @@ def test_batched_drafts_equal_one_request_at_a_time(tiny_llm, tiny_dir) -> None:
             return tracks
 
         alone = {}
-        for rid in ("a", "b"):
-            drafter._tracks = fed([rid])
-            drafter.draft(list(drafter._tracks.values()))
-            alone[rid] = drafter.propose(rid, wanted[rid])
+        for rid in ("a", "b"):  # the chain as the drafter ran it before: block and head per step
+            track = fed([rid])[rid]
+            chain = [int(model._head(track.hidden[0]).argmax(-1))]
+            while len(chain) < wanted[rid]:
+                drafter.run(track, track.hidden[0], [chain[-1]], track.position + 1)
+                chain.append(int(model._head(track.hidden[0]).argmax(-1)))
+            alone[rid] = chain
         drafter._tracks = fed(inputs)
         drafter.draft(list(drafter._tracks.values()))
-        before = {rid: (t.draft, t.position, t.kv.length) for rid, t in drafter._tracks.items()}
+        before = {rid: (t.draft, t.position, t.hidden) for rid, t in drafter._tracks.items()}
         assert drafter.propose_many(wanted) == alone and len(alone["a"]) == 3
-        assert {rid: (t.draft, t.position) for rid, t in drafter._tracks.items()} == {
-            rid: b[:2] for rid, b in before.items()}
+        for rid, track in drafter._tracks.items():  # each track as it was before the chains
+            draft, position, hidden = before[rid]
+            assert (track.draft, track.position) == (draft, position)
+            assert track.hidden is hidden
     finally:
         model.keep_hidden = False  # the session's model: as the drafter found it
 
