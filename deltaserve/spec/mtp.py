@@ -57,16 +57,21 @@ class MTPBlock(nn.Module):
 
 
     def forward_steps(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin,
-                      kvs: list[KVCache]) -> torch.Tensor:
-        """One position per request, each continuing its own KV: embeds, hidden [1,R,N], cos_sin
-        of the R positions -> normed hidden [1,R,N], as forward() per request, with fc, norms and
-        MLP over all rows at once and only attention per request."""
+                      kvs: list[KVCache], lengths: list[int] | None = None) -> torch.Tensor:
+        """Several requests' next positions, each continuing its own KV: embeds, hidden [1,R,N]
+        (request i's lengths[i] rows back to back; one each by default), cos_sin of the R
+        positions -> normed hidden [1,R,N], as forward() per request, with fc, norms and MLP over
+        all rows at once and only attention per request."""
+        lengths = lengths or [1] * len(kvs)
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
         x = self.fc(x)
         layer, (cos, sin) = self.layers[0], cos_sin
-        h = layer.input_layernorm(x)
-        x = x + torch.cat([layer.self_attn(h[:, i : i + 1], (cos[i : i + 1], sin[i : i + 1]), kv)
-                           for i, kv in enumerate(kvs)], dim=1)
+        h, mixed, at = layer.input_layernorm(x), [], 0
+        for kv, num in zip(kvs, lengths, strict=True):
+            rows = slice(at, at + num)
+            mixed.append(layer.self_attn(h[:, rows], (cos[rows], sin[rows]), kv))
+            at += num
+        x = x + torch.cat(mixed, dim=1)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -132,19 +137,31 @@ class MTPDrafter:
         track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
 
     @torch.inference_mode()
+    def run_many(self, items: list[tuple[_Track, torch.Tensor, list[int], int]]) -> None:
+        """run() for several tracks at once, items (track, hidden [T,N], next_ids [T], start):
+        the block over all their rows in one call (forward_steps)."""
+        if not items:
+            return
+        model, ids, positions = self.model, [], []
+        for track, _, next_ids, start in items:
+            track.kv.length = min(track.kv.length, start)  # drop the last draft chain
+            ids += next_ids
+            positions += range(start, start + len(next_ids))
+        cos_sin = model.rotary().cos_sin(torch.tensor(positions, device=model.device),
+                                         model.act_dtype)
+        hidden = torch.cat([h for _, h, _, _ in items])[None].to(model.act_dtype)
+        out = self.block.forward_steps(model._embed(torch.tensor([ids], device=model.device)),
+                                       hidden, cos_sin, [t.kv for t, _, _, _ in items],
+                                       [len(n) for _, _, n, _ in items])
+        at = 0
+        for track, _, next_ids, start in items:
+            at += len(next_ids)
+            track.hidden, track.position = out[:, at - 1 : at], start + len(next_ids) - 1
+
     def step(self, tracks: list[_Track], next_ids: list[int]) -> None:
-        """run() of one further position for each track (its kept output as h, next_ids as the
-        tokens), the block over all of them at once (forward_steps)."""
-        model = self.model
-        for track in tracks:
-            track.kv.length = min(track.kv.length, track.position + 1)
-        ids = torch.tensor([next_ids], device=model.device)
-        positions = torch.tensor([t.position + 1 for t in tracks], device=model.device)
-        cos_sin = model.rotary().cos_sin(positions, model.act_dtype)
-        hidden = torch.cat([t.hidden[0] for t in tracks])[None].to(model.act_dtype)
-        out = self.block.forward_steps(model._embed(ids), hidden, cos_sin, [t.kv for t in tracks])
-        for i, track in enumerate(tracks):
-            track.hidden, track.position = out[:, i : i + 1], track.position + 1
+        """One further position for each track: its kept output as h, next_ids as the tokens."""
+        self.run_many([(t, t.hidden[0], [i], t.position + 1)
+                       for t, i in zip(tracks, next_ids, strict=True)])
 
     @torch.inference_mode()
     def draft(self, tracks: list[_Track]) -> None:
@@ -170,9 +187,9 @@ class MTPDrafter:
             if track is None:
                 track = self._tracks[c.request_id] = _Track(self._new_kv())
             next_ids = req.all_ids[c.start_pos + 1 : c.start_pos + 1 + num_new]
-            self.run(track, hidden[span[0] : span[0] + num_new], next_ids, c.start_pos)
-            fed.append(track)
-        self.draft(fed)
+            fed.append((track, hidden[span[0] : span[0] + num_new], next_ids, c.start_pos))
+        self.run_many(fed)  # every request's new rows through the block in one call
+        self.draft([track for track, _, _, _ in fed])
 
     def propose(self, rid: str, num: int) -> list[int]:
         """The tracked first draft, then num - 1 more from the block's own outputs."""

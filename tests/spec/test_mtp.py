@@ -4,6 +4,7 @@ norms (1 + w), partial NeoX rotary, GQA, sigmoid output gate (reference/formats.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -124,10 +125,11 @@ def test_batched_drafts_equal_one_request_at_a_time(tiny_llm, tiny_dir) -> None:
         model.keep_hidden = False  # the session's model: as the drafter found it
 
 
-def test_block_steps_over_requests_equal_one_at_a_time(tiny_llm, tiny_dir) -> None:
-    """forward_steps: one position for each of three requests with KV of different lengths, fc /
-    norms / MLP over all rows at once: each row within 1e-5 of forward() on that request alone,
-    and each KV appended by one position."""
+@pytest.mark.parametrize("rows", [(1, 1, 1), (2, 1, 3)], ids=["draft-steps", "observe"])
+def test_block_steps_over_requests_equal_one_at_a_time(tiny_llm, tiny_dir, rows) -> None:
+    """forward_steps: the next rows of three requests with KV of different lengths (one each, as
+    a draft depth; several, as after a verify step), fc / norms / MLP over all rows at once:
+    each row within 1e-5 of forward() on that request alone, each KV appended by its rows."""
     model, cfg = tiny_llm.model, tiny_llm.config
     block = load_mtp(model, tiny_dir)
     g = torch.Generator().manual_seed(2)
@@ -146,13 +148,18 @@ def test_block_steps_over_requests_equal_one_at_a_time(tiny_llm, tiny_dir) -> No
     kvs, alone = [kv_of(n) for n in lengths], [kv_of(n) for n in lengths]
     for a, b in zip(kvs, alone, strict=True):  # the same history in both
         b.k, b.v, b.length = a.k.clone(), a.v.clone(), a.length
-    ids = torch.randint(0, 1000, (1, 3), generator=g)
-    hidden = torch.randn(1, 3, cfg.hidden_size, generator=g)
-    cos_sin = model.rotary().cos_sin(torch.tensor(lengths), torch.float32)
+    total = sum(rows)
+    ids = torch.randint(0, 1000, (1, total), generator=g)
+    hidden = torch.randn(1, total, cfg.hidden_size, generator=g)
+    positions = [n + j for n, r in zip(lengths, rows, strict=True) for j in range(r)]
+    cos_sin = model.rotary().cos_sin(torch.tensor(positions), torch.float32)
     with torch.inference_mode():
-        got = block.forward_steps(model._embed(ids), hidden, cos_sin, kvs)[0]
-        for i, n in enumerate(lengths):
-            one = model.rotary().cos_sin(torch.tensor([n]), torch.float32)
-            want = block(model._embed(ids[:, i : i + 1]), hidden[:, i : i + 1], one, alone[i])[0, 0]
-            assert ((got[i] - want).norm() / want.norm()).item() <= 1e-5
-            assert kvs[i].length == alone[i].length == n + 1
+        got = block.forward_steps(model._embed(ids), hidden, cos_sin, kvs, list(rows))[0]
+        at = 0
+        for i, (n, r) in enumerate(zip(lengths, rows, strict=True)):
+            span = slice(at, at + r)
+            one = model.rotary().cos_sin(torch.arange(n, n + r), torch.float32)
+            want = block(model._embed(ids[:, span]), hidden[:, span], one, alone[i])[0]
+            assert ((got[span] - want).norm() / want.norm()).item() <= 1e-5
+            assert kvs[i].length == alone[i].length == n + r
+            at += r
