@@ -13,5 +13,5 @@ Shape alphabet used in every docstring:
 import os
 
 # fla-core autotunes with keys that leave out the sequence length and by default keeps its choice
-# on disk for every later process: set before anything imports fla (ops/fla_scan.tune explains)
+# on disk for every later process: set here, before anything can import fla (ops/fla_scan.tune)
 os.environ.setdefault("FLA_CACHE_RESULTS", "0")

@@ -14,7 +14,6 @@ mid-grid, a granularity not a multiple of 64) starts a new call there.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -23,20 +22,13 @@ TUNE_TOKENS = (1024, 8192)  # tune() clamps its length into this range
 tuned: int | None = None  # the prefill length the process tuned fla at (engine/runner.py)
 
 
-def _fla_environment() -> None:
-    """fla autotunes its stage kernels on their first call with keys that leave out the length,
-    and by default keeps the choice on disk for later processes: a first call of 300 tokens (a test,
-    a short prompt) then made the 8k prefill's WY solve 3x slower on the H200 (2.9 ms, not 0.9, per
-    8k prefill). Kept per process instead (deltaserve.ops sets this at import, before anything can
-    import fla; again here); tune() makes the first call a representative one."""
-    os.environ.setdefault("FLA_CACHE_RESULTS", "0")
-
-
 def tune(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, seq_len: int,
          dtype: torch.dtype, device) -> None:
     """One pass of the stages on random inputs of a GDN layer's shape at seq_len tokens (clamped
     to TUNE_TOKENS), without and with snapshot stops (their state pass runs in fp32: its own
-    configs), so fla's autotuner picks its configs at a prefill length, not at whatever comes first."""
+    configs), so fla's autotuner picks its configs at a prefill length, not at whatever comes first.
+    Its keys leave out the length: a 300-token first call made the 8k WY solve 2.9 ms, not 0.9, on
+    the H200. deltaserve.ops keeps the choice per process (FLA_CACHE_RESULTS=0)."""
     seq_len = min(max(seq_len, TUNE_TOKENS[0]), TUNE_TOKENS[1])
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -53,7 +45,6 @@ def tune(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, seq_len: in
 
 
 def _stages():
-    _fla_environment()
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o

@@ -205,11 +205,9 @@ def gdn_prefill(
 
     Short chunks on CUDA: the recurrent Triton scan; longer 16-bit ones: fla-core's stages
     (ops/fla_scan, one pass over all segments between stops); else gdn_chunked."""
-    if qk_normed:
+    if qk_normed:  # the caller asked takes_fla_stages (GatedDeltaNet._scan, once per layer call)
         from deltaserve.ops.fla_scan import fla_prefill
 
-        if not takes_fla_stages(q, q.shape[-1], v.shape[-1]):
-            raise ValueError("qk_normed inputs are for fla's stages only")
         return fla_prefill(q, k, v, g, beta, state, stops, on_boundary, qk_normed=True)
     if scan_kernel_usable(q, v):
         from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
@@ -230,9 +228,6 @@ def gdn_prefill(
 def fla_public_prefill(q, k, v, g, beta, state, stops=(), on_boundary=None):
     """fla-core's public chunk kernel, one call per segment between stops (fla versions whose
     stage functions ops/fla_scan cannot import; and the comparison in its tests)."""
-    from deltaserve.ops.fla_scan import _fla_environment
-
-    _fla_environment()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     seq_len, outs, start, s = q.shape[1], [], 0, state
