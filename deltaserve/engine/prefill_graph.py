@@ -110,7 +110,9 @@ def usable(model) -> bool:
 
 class PrefillGraphs:
     def __init__(self, model, cache, spare_slot: int, spare_block: int,
-                 greedy: bool = False) -> None:
+                 greedy: bool = False, max_chunk_tokens: int | None = None) -> None:
+        """max_chunk_tokens: the scheduler's longest prefill chunk (None: no limit below the env's),
+        which sizes the snapshot buffer as graph_scratch_bytes counts it."""
         self.model, self.cache, self.greedy = model, cache, greedy
         self.spare_slot, self.spare_block = spare_slot, spare_block
         # key -> (graph or None, static inputs, static output); without capture (CPU: tests of
@@ -127,6 +129,8 @@ class PrefillGraphs:
 
         runs = long_graphs_run(model, cache.kv.block_len)
         self.max_long_tokens = env().prefill_graph_tokens if runs else 0
+        self.max_long_rows = long_rows(max_chunk_tokens or self.max_long_tokens,
+                                       self.max_long_tokens)
         self._snap_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
@@ -211,8 +215,7 @@ class PrefillGraphs:
             else:
                 continue
             self.failed.add(key)
-            if self.capture:
-                torch.cuda.empty_cache()  # the failed capture's warm-up tensors are gone now
+            torch.cuda.empty_cache()  # the failed capture's warm-up tensors are gone now
             warnings.warn(f"could not capture the {key[0]}-row prefill graph ({reason}): its "
                           f"chunks run eagerly", stacklevel=2)
             return False
@@ -266,8 +269,7 @@ class PrefillGraphs:
         if self._snap_buffers is None:
             states, convs = self.cache.states.recurrent, self.cache.states.conv
             first = self.gdn_layers[0]
-            rows = max((b for b in LONG_BUCKETS if b <= self.max_long_tokens), default=0)
-            grid = (rows // SNAP_GRID, len(self.gdn_layers))
+            grid = (self.max_long_rows // SNAP_GRID, len(self.gdn_layers))
             self._snap_buffers = (
                 torch.zeros(*grid, *states[first].shape[1:], dtype=states[first].dtype,
                             device=device),

@@ -83,7 +83,8 @@ class ModelRunner:
 
             if prefill_graph.usable(model):
                 self.prefill_graphs = prefill_graph.PrefillGraphs(
-                    model, cache, cache.spare_slot, cache.spare_block, greedy_head)
+                    model, cache, cache.spare_slot, cache.spare_block, greedy_head,
+                    max_prefill_chunk or None)
 
     def execute(self, plan: StepPlan, all_ids: dict[str, list[int]],
                 feed: Feed | None = None,
@@ -156,15 +157,14 @@ class ModelRunner:
         graphs, snaps, out = self.prefill_graphs, {}, None
         injects = [_piece_injection(image, piece, self.model.device) if image else None
                    for piece in pieces]
-        if not graphs.ready([graphs.key(p, i is not None) for p, i in zip(pieces, injects,
-                                                                          strict=True)]):
+        keys = [graphs.key(p, i is not None) for p, i in zip(pieces, injects, strict=True)]
+        if not graphs.ready(keys):
             return None
-        for piece, inject in zip(pieces, injects, strict=True):
+        for piece, inject, key in zip(pieces, injects, keys, strict=True):
             lo = piece.start_pos - chunk.start_pos
             out = graphs.run(ids[lo : lo + piece.num_tokens], piece, inject)
             if piece.snapshot_at:  # a long fresh chunk: the graph kept every grid position's
-                snaps.update(graphs.snapshots(graphs.key(piece, inject is not None),
-                                              piece.snapshot_at))
+                snaps.update(graphs.snapshots(key, piece.snapshot_at))
             elif piece.end_pos in chunk.snapshot_at:
                 snaps[piece.end_pos] = dict(enumerate(self.cache.states.snapshot(chunk.slot)))
         logits = _step_logits(out, plan)
@@ -181,11 +181,10 @@ def _tune_prefill_scan(model, max_prefill_chunk: int) -> None:
     from deltaserve.ops.gdn import takes_fla_stages
 
     cfg = model.cfg
-    if not cfg.linear_num_value_heads or model.device.type != "cuda":
+    if not cfg.linear_num_value_heads or model.device.type != "cuda" or fla_scan.tuned is not None:
         return
-    probe = torch.zeros(1, max_prefill_chunk, 1, dtype=model.act_dtype, device=model.device)
-    if takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim) \
-            and fla_scan.tuned is None:
+    probe = torch.empty(1, max_prefill_chunk, 1, dtype=model.act_dtype, device=model.device)
+    if takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
         fla_scan.tuned = max_prefill_chunk
         fla_scan.tune(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim, max_prefill_chunk,
