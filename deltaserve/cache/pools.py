@@ -146,8 +146,9 @@ class KVPool:
 
     def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What write() stored for positions (blocks[t], offsets[t]): k, v [T,HKV,D]."""
-        return self.k[layer][blocks, :, offsets], self.v[layer][blocks, :, offsets]
+        """What write() stored for positions (blocks[t], offsets[t]), laid out as gather()'s:
+        k, v [1,HKV,T,D]."""
+        return tuple(x[layer][blocks, :, offsets].transpose(0, 1)[None] for x in (self.k, self.v))
 
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` positions as [1,HKV,length,D] (table: its block ids)."""

@@ -70,12 +70,10 @@ class GatedAttention(nn.Module):
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
         if batch.graph_chunk is not None and batch.graph_chunk.fresh:  # as in _forward_fused
-            k_seq, v_seq = (t.transpose(0, 1)[None].to(q.dtype)
-                            for t in batch.kv.read(layer, batch.kv_blocks, batch.kv_rows))
+            # (no decode rows, no prefill chunks: straight to the gate below)
+            k_seq, v_seq = (t.to(q.dtype) for t in batch.kv.read(layer, batch.kv_blocks,
+                                                                 batch.kv_rows))
             out = causal_attention(q, k_seq, v_seq, scale)
-            out = out.transpose(1, 2).reshape(1, num_tokens, -1) * torch.sigmoid(
-                gate.reshape(1, num_tokens, -1))
-            return self.o_proj(out)
         rows = batch.attend_rows() if batch.decode_tables is not None else None
         gated = None  # CPU: the native step's kernel (rows gathered only where it can run)
         if rows is not None and q.device.type == "cpu":
@@ -118,8 +116,8 @@ class GatedAttention(nn.Module):
         if batch.graph_chunk is not None and batch.graph_chunk.fresh:
             # a padded chunk at position 0: its rows' K/V as the pool holds them (padding rows
             # read the spare block's row they wrote), causal: no real row sees a padding row
-            k_seq, v_seq = (t.transpose(0, 1)[None].to(q.dtype)
-                            for t in batch.kv.read(layer, batch.kv_blocks, batch.kv_rows))
+            k_seq, v_seq = (t.to(q.dtype) for t in batch.kv.read(layer, batch.kv_blocks,
+                                                                 batch.kv_rows))
             o = causal_attention(q.transpose(0, 1)[None], k_seq, v_seq, scale)[0]
             sigmoid_gate_cuda(o, proj, out)
             return self.o_proj(out[None])
