@@ -20,8 +20,7 @@ def causal_conv1d(
     if seq_len >= width - 1 and _triton_prefill(x):
         from deltaserve.ops.triton_conv1d import causal_conv1d_cuda
 
-        new_window = x[:, seq_len - (width - 1) :].transpose(1, 2).to(window.dtype).contiguous()
-        return causal_conv1d_cuda(x, weight, window), new_window
+        return causal_conv1d_cuda(x, weight, window), _last_inputs(x, width, window.dtype)
     # time-major [B,W-1+T,C]: each tap is a contiguous shifted slice, broadcast over channels
     full = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
     taps = weight.t().to(x.dtype)  # [W,C]
@@ -54,8 +53,13 @@ def causal_conv1d_qkv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tenso
     width = weight.shape[-1]
     if x.shape[1] < width - 1:
         raise ValueError(f"the qkv conv needs at least {width - 1} tokens, got {x.shape[1]}")
-    new_window = x[:, x.shape[1] - (width - 1) :].transpose(1, 2).to(window.dtype).contiguous()
-    return (*causal_conv1d_qkv_cuda(x, weight, window, key_dim, head_dim), new_window)
+    return (*causal_conv1d_qkv_cuda(x, weight, window, key_dim, head_dim),
+            _last_inputs(x, width, window.dtype))
+
+
+def _last_inputs(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The new conv window of a chunk x [B,T,C] with T >= W-1: its last W-1 inputs [B,C,W-1]."""
+    return x[:, x.shape[1] - (width - 1) :].transpose(1, 2).to(dtype).contiguous()
 
 
 def _triton_prefill(x: torch.Tensor) -> bool:
