@@ -124,22 +124,10 @@ class MTPDrafter:
         return KVCache(empty, empty.clone())
 
     @torch.inference_mode()
-    def run(self, track: _Track, hidden: torch.Tensor, next_ids: list[int], start: int) -> None:
-        """The block over positions start.. with hidden [T,N] and tokens next_ids [T]: KV
-        appended; the last row's output (and the position it sits at) kept on the track, whose
-        draft draft() then sets."""
-        model = self.model
-        track.kv.length = min(track.kv.length, start)  # drop the last draft chain
-        ids = torch.tensor([next_ids], device=model.device)
-        positions = torch.arange(start, start + len(next_ids), device=model.device)
-        cos_sin = model.rotary().cos_sin(positions, model.act_dtype)
-        out = self.block(model._embed(ids), hidden[None].to(model.act_dtype), cos_sin, track.kv)
-        track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
-
-    @torch.inference_mode()
     def run_many(self, items: list[tuple[_Track, torch.Tensor, list[int], int]]) -> None:
-        """run() for several tracks at once, items (track, hidden [T,N], next_ids [T], start):
-        the block over all their rows in one call (forward_steps)."""
+        """The block over each track's positions start.. (items: track, hidden [T,N], next_ids [T],
+        start), all their rows in one call (forward_steps): KV appended, each track's last output
+        (and the position it sits at) kept on it, whose draft draft() then sets."""
         if not items:
             return
         model, ids, positions = self.model, [], []
