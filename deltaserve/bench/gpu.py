@@ -78,6 +78,19 @@ def copy_bandwidth_gbs(device: torch.device, num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
 
 
+def synced_ms(fn, calls: int) -> list[float]:
+    """Wall milliseconds of each of `calls` fn() calls, the GPU synchronized before and after
+    each (what a caller waits for, host work included)."""
+    out = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def cuda_median_s(fn, reps: int = 20) -> float:
     """Median seconds of fn() between CUDA events, after 3 warm-up calls."""
     for _ in range(3):
@@ -207,14 +220,10 @@ def prefill_tiers(llm, lens: list[int], gen: torch.Generator) -> dict:
             continue
         ids = torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
         llm.generate([ids], one)  # warm-up: kernels for these shapes
-        runs_s = []
-        for _ in range(PREFILL_REPEATS):  # the median: one call may still meet rising clocks
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate([ids], one)
-            runs_s.append(time.perf_counter() - t0)
-        out[f"prefill_{n}_tok_s"] = n / statistics.median(runs_s)
-        out[f"prefill_{n}_runs_tok_s"] = [round(n / t) for t in runs_s]
+        # the median: one call may still meet rising clocks
+        runs_ms = synced_ms(lambda ids=ids: llm.generate([ids], one), PREFILL_REPEATS)
+        out[f"prefill_{n}_tok_s"] = n / statistics.median(runs_ms) * 1e3
+        out[f"prefill_{n}_runs_tok_s"] = [round(n / t * 1e3) for t in runs_ms]
         if n == 8192:  # where a long prefill's time goes (the profiler's own overhead included)
             out["prefill_8192_attribution"] = profile_call(lambda ids=ids: llm.generate([ids], one))
     return out

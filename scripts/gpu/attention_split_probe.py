@@ -12,7 +12,6 @@ log-sum-exps merged (the reverted split), and each cuDNN part alone. Checked aga
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve.bench.gpu import synced_ms  # noqa: E402
 from deltaserve.env import env  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 8, 2, 256
@@ -48,14 +48,7 @@ def fa2(q, k, v, scale: float):
 
 
 def timed_ms(fn, calls: int = 4) -> list[float]:
-    out = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(round((time.perf_counter() - t0) * 1e3, 3))
-    return out
+    return [round(ms, 3) for ms in synced_ms(fn, calls)]
 
 
 def measure(cached: int, queries: int) -> dict:

@@ -26,18 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.bench.gpu import synced_ms  # noqa: E402
 from deltaserve.env import env  # noqa: E402
-
-
-def _timed_ms(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def _recorded_call(llm: LLM, ids: list[int]) -> tuple:
@@ -66,9 +56,9 @@ def measure(llm: LLM, n: int, repeats: int) -> dict:
     ids_t, batch, kw = _recorded_call(llm, ids)
     forward = llm.model.forward_batch
     eager_out = forward(ids_t, batch, **kw).clone()
-    eager_ms = _timed_ms(lambda: forward(ids_t, batch, **kw), repeats)
+    eager_ms = synced_ms(lambda: forward(ids_t, batch, **kw), repeats)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    generate_ms = _timed_ms(lambda: llm.generate([ids], one), repeats)  # the engine around it
+    generate_ms = synced_ms(lambda: llm.generate([ids], one), repeats)  # the engine around it
     row = {"tokens": n, "eager_ms": eager_ms, "eager_tok_s": n / statistics.median(eager_ms) * 1e3,
            "generate_ms": generate_ms, "generate_median_ms": statistics.median(generate_ms)}
     try:
@@ -85,7 +75,7 @@ def measure(llm: LLM, n: int, repeats: int) -> dict:
     graph.replay()
     torch.cuda.synchronize()
     diff = (captured.float() - eager_out.float()).norm() / eager_out.float().norm()
-    replay_ms = _timed_ms(graph.replay, repeats)
+    replay_ms = synced_ms(graph.replay, repeats)
     row.update({"replay_ms": replay_ms, "replay_tok_s": n / statistics.median(replay_ms) * 1e3,
                 "replay_vs_eager_rel": diff.item(), "replay_equal": torch.equal(captured, eager_out)})
     del graph
@@ -159,21 +149,11 @@ def prefix_on(model: str, lens: list[int], repeats: int) -> list[dict]:
         prompts = [torch.randint(0, llm.config.vocab_size, (n,), generator=gen).tolist()
                    for _ in range(repeats + 1)]
         llm.generate([prompts[0]], one)  # warm-up (captures a graph where one is taken)
-        runs = _timed_ms_each(llm, prompts[1:], one)
+        fresh = iter(prompts[1:])  # a new prompt per call
+        runs = synced_ms(lambda fresh=fresh: llm.generate([next(fresh)], one), repeats)
         rows.append({"tokens": n, "prefix_cache": True, "generate_ms": runs,
                      "tok_s": n / statistics.median(runs) * 1e3})
     return rows
-
-
-def _timed_ms_each(llm: LLM, prompts: list, params) -> list[float]:
-    out = []
-    for ids in prompts:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([ids], params)
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def main() -> None:
