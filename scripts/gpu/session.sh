@@ -211,6 +211,19 @@ next)  # issue 6, next session: this session's unmeasured code (snapshot-keeping
             2>&1 | grep -v -i warn | cut -c1-200 | tail -2
     done
     ;;
+split)  # issue 6: the cuDNN split attention: its test, first-call cost per shape, the engine with it
+    timeout 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/ops/test_conv1d_attention.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error|rel" | tail -6
+    timeout 120 python3 scripts/gpu/attention_split_probe.py --out "$OUT/split-probe.json" 2>&1 \
+        | grep -v -i warn | cut -c1-400 | tail -5
+    for on in 1 0; do
+        DELTASERVE_SPLIT_ATTENTION=$on timeout -s ABRT 150 python3 -X faulthandler -m deltaserve \
+            bench --model /tmp/q08 --device cuda --decode-tokens 16 --formats bf16 --peer none \
+            --prefill-lens 2048,10240,32768 --out "$OUT/bench-split$on.json" > "$OUT/bench-split$on.log" 2>&1
+        echo "split=$on rc=$?"; grep -v -i warn "$OUT/bench-split$on.log" | grep -A30 -E "^(Fatal|Thread|Current)" | head -40
+        prefill_rates "$OUT/bench-split$on.json" "split=$on"
+    done
+    ;;
 eager)  # issue 6: new kernels' tests; why the eager prefill got slower (fla's disk cache A/B, cProfile)
     timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_conv1d.py \
         tests/ops/test_conv1d_attention.py tests/ops/test_triton_norm.py tests/ops/test_triton_act.py \
