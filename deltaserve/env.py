@@ -54,8 +54,8 @@ class Env:
     # (prefix cache on) replay from graphs too, keeping every 64th position's state (default off
     # until measured on a GPU: engine/prefill_graph.py)
     prefill_graph_snapshots: bool
-    # DELTASERVE_SPLIT_ATTENTION=1: a 16-bit CUDA chunk behind cached keys runs two cuDNN calls
-    # merged by log-sum-exp instead of FA2's bottom-right causal kernel (ops/attention.py)
+    # DELTASERVE_SPLIT_ATTENTION=0: a 16-bit CUDA chunk of >= 2,048 rows behind cached keys runs FA2's
+    # bottom-right causal kernel instead of two cuDNN calls merged by log-sum-exp (ops/attention.py)
     split_attention: bool
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
@@ -85,7 +85,7 @@ class Env:
             pdl=_flag("DELTASERVE_PDL", default=True),
             conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
             prefill_graph_snapshots=_flag("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS"),
-            split_attention=_flag("DELTASERVE_SPLIT_ATTENTION"),
+            split_attention=_flag("DELTASERVE_SPLIT_ATTENTION", default=True),
             prefill_graph_tokens=int(os.environ.get("DELTASERVE_PREFILL_GRAPH_TOKENS", "16384")
                                      or 0),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),

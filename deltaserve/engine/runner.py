@@ -14,6 +14,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.env import env
+from deltaserve.ops.attention import SPLIT_MIN_QUERIES, warm_split_attention
 from deltaserve.ops.gdn import SCAN_MAX_TOKENS
 from deltaserve.ops.norm import native_rows
 
@@ -69,6 +70,10 @@ class ModelRunner:
         self.model, self.cache, self.greedy_head = model, cache, greedy_head
         if max_prefill_chunk > SCAN_MAX_TOKENS:
             _tune_prefill_scan(model, max_prefill_chunk)
+        if max_prefill_chunk >= SPLIT_MIN_QUERIES and model.cfg.num_attention_heads:
+            cfg = model.cfg  # chunks behind cached keys may take the split: load cuDNN now
+            warm_split_attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                 model.act_dtype, model.device)
         self.spec_rollback = "recompute"  # SpeculativeConfig.rollback, for steps with verify chunks
         self.graphs = None
         # pipeline stages decode eagerly: their send/recv/broadcast are not captured in graphs

@@ -25,7 +25,7 @@ def causal_attention(
         mask, causal = None, True
     elif q.is_cuda:  # a chunk behind cached keys (a materialised [T,S] mask would send SDPA
         # to a masked kernel: most of a 32k prefill's time)
-        split = _split_attention(q, k, v, scale)
+        split = _split_attention(q, k, v, scale) if seq_len >= SPLIT_MIN_QUERIES else None
         if split is not None:
             return split
         from torch.nn.attention.bias import causal_lower_right  # FA2's bottom-right variant
@@ -40,6 +40,12 @@ def causal_attention(
 
 
 _split_checked: bool | None = None  # the split's first result matched FA2's (once per process)
+# cuDNN builds a plan per shape at its first call (~40 ms on the H200; the process's first, 1.6 s,
+# is moved to start-up by warm_split_attention): the split takes chunks long enough to repay it
+# (FA2 at 2,048 queries behind 8k keys is ~0.5 ms per layer), and at most MAX_SPLIT_SHAPES shapes
+SPLIT_MIN_QUERIES = 2048
+MAX_SPLIT_SHAPES = 256
+_split_shapes: set[tuple] = set()
 
 
 def _cudnn_part(q, k, v, causal: bool, scale: float):
@@ -63,6 +69,11 @@ def _split_attention(q, k, v, scale: float) -> torch.Tensor | None:
             or torch.cuda.is_current_stream_capturing()):  # (cuDNN builds plans at first use)
         return None
     seq_len, cached = q.shape[2], k.shape[2] - q.shape[2]
+    shape = (*q.shape, k.shape[1], cached, q.dtype)
+    if shape not in _split_shapes:
+        if len(_split_shapes) >= MAX_SPLIT_SHAPES:
+            return None
+        _split_shapes.add(shape)
     q = q.contiguous()
     try:
         o_old, lse_old = _cudnn_part(q, k[:, :, :cached], v[:, :, :cached], False, scale)
@@ -86,6 +97,20 @@ def _split_attention(q, k, v, scale: float) -> torch.Tensor | None:
 
 
 SPLIT_TOLERANCE = 1e-2  # bf16 rounding of two differently ordered sums
+
+
+def warm_split_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+    """Load cuDNN's attention and run the split's self-check once, at engine start-up, on a small
+    shape (its first call in a process takes ~1.6 s on the H200: not the first long prompt's)."""
+    if (_split_checked is not None or device.type != "cuda" or not env().split_attention
+            or dtype not in (torch.bfloat16, torch.float16)):
+        return
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, num_heads, 64, head_dim, generator=gen, device=device).to(dtype)
+    k, v = (torch.randn(1, num_kv_heads, 128, head_dim, generator=gen, device=device).to(dtype)
+            for _ in range(2))
+    _split_attention(q, k, v, head_dim**-0.5)
 
 
 def causal_attention_ref(
