@@ -23,6 +23,9 @@ class CacheConfig:
     prefix_granularity: int = 64  # snapshot grid; a multiple of block_len and of the GDN scan chunk
     prefix_budget_bytes: int = 1 << 30  # 0 disables the prefix cache
     kv_dtype: torch.dtype | None = None  # None: the activation dtype
+    # which grid positions a prompt snapshots: "sparse" (its end and where it branches from an
+    # earlier prompt) or "grid" (every prefix_granularity tokens): cache/prefix.py
+    prefix_snapshots: str = "sparse"
 
     def __post_init__(self) -> None:
         if self.prefix_granularity % 64 or self.prefix_granularity % self.block_len:
@@ -30,12 +33,16 @@ class CacheConfig:
                 f"prefix_granularity must be a multiple of 64 (the GDN scan chunk) and of "
                 f"block_len={self.block_len}, got {self.prefix_granularity}"
             )
+        if self.prefix_snapshots not in ("sparse", "grid"):
+            raise ValueError(f"prefix_snapshots must be 'sparse' or 'grid', got "
+                             f"{self.prefix_snapshots!r}")
 
 
 @dataclass(slots=True)
 class _Alloc:
     slot: int
     blocks: list[int] = field(default_factory=list)
+    snap_plan: tuple[int, ...] | None = None  # positions to snapshot ("sparse"); None: every one
 
 
 class CacheManager:
@@ -70,6 +77,8 @@ class CacheManager:
             self.states.restore(slot, snap.states)
             self.kv.incref(snap.blocks)
             alloc.blocks = list(snap.blocks)
+        if self.prefix is not None and self.config.prefix_snapshots == "sparse":
+            alloc.snap_plan = self.prefix.plan(token_ids)
         self._allocs[request_id] = alloc
         return 0 if snap is None else snap.length
 
@@ -112,8 +121,15 @@ class CacheManager:
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._allocs[request_id].blocks)
 
-    def snapshot_positions(self, token_ids: list[int], start: int, end: int) -> tuple[int, ...]:
-        return self.prefix.wanted(token_ids, start, end) if self.prefix else ()
+    def snapshot_positions(self, request_id: str, token_ids: list[int], start: int,
+                           end: int) -> tuple[int, ...]:
+        """The positions in (start, end] where the request's prefill should keep a snapshot."""
+        if self.prefix is None:
+            return ()
+        plan = self._allocs[request_id].snap_plan
+        if plan is None:
+            return self.prefix.wanted(token_ids, start, end)
+        return self.prefix.uncached(token_ids, tuple(p for p in plan if start < p <= end))
 
     def store_snapshots(self, request_id: str, token_ids: list[int], snaps: dict) -> None:
         """snaps[position][layer] = (conv window, state) as the GDN layers captured them."""

@@ -2,6 +2,13 @@
 and of the KV blocks before position P, for P on a fixed grid (every `granularity` tokens) of the
 prompts that ran. A request resumes from its longest snapshotted prefix.
 
+Which grid positions a prompt snapshots (`plan`): a snapshot of the 0.8B model is ~19 MB, so one
+every 64 tokens of an 8k prompt (2.4 GB) would not fit the default 1 GiB budget, and its own tail
+would evict its head. By default ("sparse") a prompt keeps two: its last grid position (the next
+turn of a conversation extends the prompt) and the deepest grid position it shares with an earlier
+prompt (a shared system prompt's end, from its second use on; the keys of recent prompts are
+remembered for this, SEEN_MAX_KEYS of them). "grid" keeps every grid position.
+
 Keys form a hash chain over the token ids, block by block, seeded with the model fingerprint: a key
 names a whole prefix, never a suffix that happens to match. LRU eviction under a byte budget
 (snapshot state bytes; the KV blocks they hold live in the KV pool and are given back on demand).
@@ -20,6 +27,7 @@ import torch
 from deltaserve.cache.pools import KVPool
 
 MEMO_ENTRIES = 8
+SEEN_MAX_KEYS = 1 << 17  # 16-byte keys of earlier prompts' grid positions (8M tokens at 64)
 LayerState = tuple[torch.Tensor, torch.Tensor] | None  # (conv window [C,W-1], state [HV,K,V])
 
 
@@ -66,6 +74,7 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self._memo: list[tuple[list[int], list[bytes]]] = []  # most recent first
+        self.seen: OrderedDict[bytes, None] = OrderedDict()  # earlier prompts' keys, oldest first
 
     def keys(self, token_ids: list[int], max_len: int) -> list[bytes]:
         """Chain keys. Admission asks for a request's keys up to three times (lookup, wanted,
@@ -101,6 +110,30 @@ class PrefixCache:
         first = start // self.granularity  # keys[i] is position (i+1)*granularity
         return tuple((i + 1) * self.granularity for i in range(first, len(keys))
                      if keys[i] not in self.entries)
+
+    def plan(self, token_ids: list[int]) -> tuple[int, ...]:
+        """The grid positions of a new prompt worth a snapshot ("sparse", module docstring): its
+        last one and the deepest one an earlier prompt shared. Then remembers its keys."""
+        keys = self.keys(token_ids, len(token_ids))
+        if not keys:
+            return ()
+        out = {len(keys) * self.granularity}
+        shared = next((i for i in range(len(keys) - 1, -1, -1) if keys[i] in self.seen), None)
+        if shared is not None:
+            out.add((shared + 1) * self.granularity)
+        for key in keys:
+            self.seen[key] = None
+            self.seen.move_to_end(key)
+        while len(self.seen) > SEEN_MAX_KEYS:
+            self.seen.popitem(last=False)
+        return tuple(sorted(out))
+
+    def uncached(self, token_ids: list[int], positions: tuple[int, ...]) -> tuple[int, ...]:
+        """The grid positions among `positions` with no snapshot yet."""
+        if not positions:
+            return ()
+        keys = self.keys(token_ids, max(positions))
+        return tuple(p for p in positions if keys[p // self.granularity - 1] not in self.entries)
 
     def insert(self, token_ids: list[int], length: int, states: list[LayerState],
                blocks: list[int]) -> None:

@@ -39,6 +39,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         prefix_cache_bytes: int = 1 << 30,
+        prefix_snapshots: str = "sparse",
         kv_cache_bytes: int = 4 << 30,
         greedy_head: bool = False,
         kv_cache_dtype: str = "auto",
@@ -55,6 +56,8 @@ class LLM:
         pipeline.py); layer_split: layers per rank, e.g. (10, 14) (default: even). Not combined
         with tensor parallelism; the prefix cache is off under it (each stage would cache its own
         bytes, and every rank's scheduler must see the same hits).
+        prefix_snapshots: where prompts keep prefix-cache snapshots: "sparse" (a prompt's end and
+        where it branches from an earlier prompt) or "grid" (every 64 tokens; cache/prefix.py).
         speculative_config: vLLM's dict ({"method": "ngram" | "mtp", "num_speculative_tokens": k,
         "prompt_lookup_max": n, "prompt_lookup_min": m}, plus spec.config's own keys); None = off."""
         speculative = SpeculativeConfig.from_value(speculative_config)
@@ -95,11 +98,15 @@ class LLM:
         self.images = load_image_prompts(self, image_limits or ImageLimits()) if (
             self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
         self.generation_config = self._generation_config()
+        if prefix_snapshots not in ("sparse", "grid"):
+            raise RequestError(f"prefix_snapshots must be 'sparse' or 'grid', got "
+                               f"{prefix_snapshots!r}")
         if kv_cache_dtype not in KV_DTYPES:
             raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
                                f"{kv_cache_dtype!r}")
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=kv_cache_bytes,
+                                prefix_cache_bytes=prefix_cache_bytes,
+                                prefix_snapshots=prefix_snapshots, kv_cache_bytes=kv_cache_bytes,
                                 greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype,
                                 max_waiting=max_waiting, speculative=speculative)
         self._engine: Engine | None = None
@@ -304,7 +311,8 @@ KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
 def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
                  kv_cache_dtype: str = "auto", max_waiting: int = 256,
-                 speculative: SpeculativeConfig | None = None) -> Engine:
+                 speculative: SpeculativeConfig | None = None,
+                 prefix_snapshots: str = "sparse") -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import CacheConfig
     from deltaserve.cache.memory import plan
@@ -319,7 +327,8 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     stage = getattr(llm.model, "pp", None)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)
-    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype)
+    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype,
+                        prefix_snapshots)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
     from deltaserve.distributed.group import tag

@@ -8,20 +8,23 @@ window and state, scan, and scatter them back, with the padding rows' gates set 
 nothing (beta 0, decay 1) and the new window taken at the real length; the attention rows attend as
 decode rows (paged decode attention over the block table, per-row lengths), the padding rows' K/V
 go to the spare block; the head reads the last real row. A chunk with prefix-snapshot positions
-runs as pieces cut there (the snapshot = the slot's state after a piece). Image rows: the input
+runs as pieces cut there (the snapshot = the slot's state after a piece; the first piece may be a
+long graph, below). Image rows: the input
 embeddings are made eagerly (token embeddings, the tower's rows copied in) into a static buffer
 the graph reads. Draft verification, quantized models and 32-bit activations run eagerly.
 
-Long fresh chunks (a prompt's first chunk, 129 tokens up to DELTASERVE_PREFILL_GRAPH_TOKENS, no
-prefix snapshots wanted) replay from graphs of LONG_BUCKETS rows: an 8k chunk is ~500 launches
+Long fresh pieces (a prompt's first chunk, or its part before its first prefix snapshot, 129 tokens
+up to DELTASERVE_PREFILL_GRAPH_TOKENS) replay from graphs of LONG_BUCKETS rows: an 8k chunk is ~500 launches
 whose host time (fla's stage wrappers, Triton's launcher) matched its ~30 ms of GPU work. There
 the GDN layers run as above (fla's stages on the padded rows), and attention runs the causal
 prefill kernel over the chunk's own K/V, read back from the rows it was written to: padding rows
 (positioned at the last real token, writing the spare block) come after every real row, so no
-real row sees them. With DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1 a fresh chunk whose prefix snapshots
-are wanted takes a long graph too: its GDN layers keep the state and conv window after every 64th
-row in a static buffer, and the runner copies out the wanted positions after the replay (off by
-default until a GPU run measures it).
+real row sees them. With DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1 a fresh chunk whose cut pieces would
+not all replay (a snapshot inside it, a long piece after it) takes a long graph whole: its GDN
+layers keep the state and conv window after every 64th row in a static buffer, and the runner
+copies out the wanted positions after the replay. Off by default: its buffer is ~19 MB per 64 rows
+of the chunk budget on the 0.8B shape, and the sparse snapshot policy (cache/prefix.py) rarely
+needs it.
 """
 
 from __future__ import annotations
@@ -135,21 +138,26 @@ class PrefillGraphs:
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
-        the slot's state after a piece, StatePool.snapshot), every piece at most the largest bucket;
-        None when it runs eagerly (drafts, a 1-token chunk, too long, too many pieces)."""
+        the slot's state after a piece, StatePool.snapshot), each piece a short bucket or, where it
+        starts the sequence, a long one; else, with DELTASERVE_PREFILL_GRAPH_SNAPSHOTS, a fresh
+        chunk whole, its graph keeping every grid position. None when it runs eagerly (drafts, a
+        1-token chunk, too long, too many pieces)."""
         if chunk.verify or chunk.num_tokens < 2:
             return None
-        if (chunk.start_pos == 0 and _bucket(chunk.num_tokens) is None
-                and _long_bucket(chunk.num_tokens, self.max_long_tokens)
-                and (not chunk.snapshot_at or self.long_snapshots)
-                and all(p % SNAP_GRID == 0 for p in chunk.snapshot_at)):
-            return [chunk]  # one fresh chunk, causal attention over its own rows
         cuts = sorted({chunk.start_pos, *chunk.snapshot_at, chunk.end_pos})
-        if len(cuts) - 1 > MAX_PIECES:
-            return None
         pieces = [SeqChunk(chunk.slot, lo, hi - lo, chunk.block_table)
                   for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
-        return pieces if all(_bucket(p.num_tokens) for p in pieces) else None
+        if len(pieces) <= MAX_PIECES and all(map(self._replayable, pieces)):
+            return pieces
+        if (chunk.start_pos == 0 and self.long_snapshots and _bucket(chunk.num_tokens) is None
+                and _long_bucket(chunk.num_tokens, self.max_long_tokens)
+                and all(p % SNAP_GRID == 0 for p in chunk.snapshot_at)):
+            return [chunk]  # one fresh chunk keeping its snapshots in the graph
+        return None
+
+    def _replayable(self, piece: SeqChunk) -> bool:
+        return _bucket(piece.num_tokens) is not None or (
+            piece.start_pos == 0 and _long_bucket(piece.num_tokens, self.max_long_tokens) is not None)
 
     def host_inputs(self, ids: list[int], chunk: SeqChunk, images: bool = False
                     ) -> tuple[Key, np.ndarray]:

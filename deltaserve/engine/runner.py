@@ -115,8 +115,8 @@ class ModelRunner:
         for c in plan.chunks:
             snap_at = ()
             if len(c.token_ids) > 1 and not c.num_draft:  # never a state that saw drafts
-                snap_at = self.cache.snapshot_positions(all_ids[c.request_id], c.start_pos,
-                                                        c.start_pos + len(c.token_ids))
+                snap_at = self.cache.snapshot_positions(
+                    c.request_id, all_ids[c.request_id], c.start_pos, c.start_pos + len(c.token_ids))
             chunks.append(SeqChunk(c.slot, c.start_pos, len(c.token_ids),
                                    self.cache.block_table(c.request_id), snap_at,
                                    c.num_draft > 0))

@@ -138,10 +138,11 @@ def kernels(llm: LLM, n: int) -> dict:
             "kernels": [[name, int(c), round(us, 1)] for name, (c, us) in ranked[:45]]}
 
 
-def prefix_on(model: str, lens: list[int], repeats: int) -> list[dict]:
+def prefix_on(model: str, lens: list[int], repeats: int, snapshots: str) -> list[dict]:
     """generate() of fresh prompts (new random ids each call: no prefix hits) with the prefix
-    cache on, as users run it (snapshots wanted every 64 tokens): median ms per length."""
-    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=8192)
+    cache on, as users run it (`snapshots`: LLM(prefix_snapshots=)): median ms per length."""
+    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=8192,
+              prefix_snapshots=snapshots)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
     for n in lens:
@@ -151,7 +152,7 @@ def prefix_on(model: str, lens: list[int], repeats: int) -> list[dict]:
         llm.generate([prompts[0]], one)  # warm-up (captures a graph where one is taken)
         fresh = iter(prompts[1:])  # a new prompt per call
         runs = synced_ms(lambda fresh=fresh: llm.generate([next(fresh)], one), repeats)
-        rows.append({"tokens": n, "prefix_cache": True, "generate_ms": runs,
+        rows.append({"tokens": n, "prefix_cache": True, "snapshots": snapshots, "generate_ms": runs,
                      "tok_s": n / statistics.median(runs) * 1e3})
     return rows
 
@@ -166,9 +167,12 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="the eager forward's kernel table")
     ap.add_argument("--prefix-on", action="store_true",
                     help="generate() of fresh prompts with the prefix cache on, nothing else")
+    ap.add_argument("--snapshots", default="sparse", choices=("sparse", "grid"),
+                    help="with --prefix-on: LLM(prefix_snapshots=)")
     args = ap.parse_args()
     if args.prefix_on:
-        rows = prefix_on(args.model, [int(v) for v in args.lens.split(",")], args.repeats)
+        rows = prefix_on(args.model, [int(v) for v in args.lens.split(",")], args.repeats,
+                         args.snapshots)
         for row in rows:
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
         Path(args.out).write_text(json.dumps({"kind": "h200-prefill-prefix-on", "rows": rows,

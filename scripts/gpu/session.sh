@@ -211,6 +211,18 @@ next)  # issue 6, next session: this session's unmeasured code (snapshot-keeping
             2>&1 | grep -v -i warn | cut -c1-200 | tail -2
     done
     ;;
+sparse)  # issue 6: the default (sparse) prefix snapshots and the split attention, as users run them
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_prefill_graph.py \
+        tests/ops/test_conv1d_attention.py tests/engine/test_cuda_graphs.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8
+    timeout 120 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192,32768 \
+        --prefix-on --out "$OUT/prefix-on-sparse.json" 2>&1 | grep -v -i warn | cut -c1-200 | tail -3
+    timeout 150 python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 16 \
+        --formats bf16 --peer none --prefill-lens 2048,5120,8192,10240,32768 \
+        --out "$OUT/bench-prefill.json" > /dev/null 2>&1
+    prefill_rates "$OUT/bench-prefill.json" "prefix off, graphs + split"
+    prefix_ttft prefix-ttft
+    ;;
 split)  # issue 6: the cuDNN split attention: its test, first-call cost per shape, the engine with it
     timeout 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/ops/test_conv1d_attention.py \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error|rel" | tail -6

@@ -18,10 +18,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def make_engine(llm, num_slots=4, num_blocks=64, budget=96, prefix_bytes=1 << 28, max_waiting=64,
-                fingerprint="test"):
+                fingerprint="test", snapshots="sparse"):
+    """snapshots="grid": a snapshot every 64 tokens of every prompt (tests of resuming exactly at
+    and between grid positions); "sparse" is the engine's default (cache/prefix.py)."""
     cfg = EngineConfig(SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget,
                                        max_prefill_chunk=budget, max_waiting=max_waiting),
-                       CacheConfig(num_slots, num_blocks, 16, 64, prefix_bytes))
+                       CacheConfig(num_slots, num_blocks, 16, 64, prefix_bytes,
+                                   prefix_snapshots=snapshots))
     return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, cfg, fingerprint)
 
 
@@ -116,7 +119,7 @@ def test_prefix_hit_equals_miss_at_and_between_boundaries(tiny_llm, budget, boun
     takes the decode kernel instead of the scan): within 1e-6."""
     base = prompts_of([200], seed=3)["r0"]
     cold = make_engine(tiny_llm, prefix_bytes=0, budget=budget)
-    warm = make_engine(tiny_llm, budget=budget)
+    warm = make_engine(tiny_llm, budget=budget, snapshots="grid")
     run_all(warm, {"seed": base})  # snapshots at 64, 128, 192
     assert warm.cache.prefix.stats()["entries"] == 3
     seen_cold, seen_warm = capture(cold), capture(warm)
@@ -140,10 +143,37 @@ def test_prefix_hits_in_a_mixed_batch(tiny_llm) -> None:
         assert rel(torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])) <= 1e-5, rid
 
 
+def test_sparse_snapshots_serve_a_shared_system_prompt_and_the_next_turn(tiny_llm) -> None:
+    """The default snapshots: a system prompt's first user snapshots only its own end (192); the
+    second misses and snapshots the branch point too (grid 128 of a 150-token system prompt), which
+    the third hits; a later turn hits the end of the turn before it. Tokens and logits: a cold
+    engine's (within 1e-5)."""
+    system, q1, q2, q3 = prompts_of([150, 60, 50, 30], seed=17).values()
+    cold, warm = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm)
+    seen_cold, seen_warm = capture(cold), capture(warm)
+
+    def both(rid: str, ids: list[int]) -> list[int]:
+        out = run_all(warm, {rid: ids})
+        assert out == run_all(cold, {rid: ids}), rid
+        assert rel(torch.stack(seen_warm[rid]), torch.stack(seen_cold[rid])) <= 1e-5, rid
+        return out[rid]
+
+    both("first", system + q1)
+    both("second", system + q2)
+    assert warm.cache.prefix.hits == 0
+    assert sorted(e.length for e in warm.cache.prefix.entries.values()) == [128, 192, 192]
+    both("third", system + q3)
+    assert warm.cache.prefix.hits == 1
+    answer = both("turn1", system + q1 + q2)  # 260 tokens: resumes at 192, the first's end
+    assert warm.cache.prefix.hits == 2
+    both("turn2", system + q1 + q2 + answer + q3)  # 296: resumes at 256, turn1's end
+    assert warm.cache.prefix.hits == 3
+    assert max(e.length for e in warm.cache.prefix.entries.values()) == 256
+
 def test_restored_state_is_bit_identical_to_a_miss(tiny_llm) -> None:
     """The snapshot at 128 taken inside a 200-token prefill equals the state of a 128-token run."""
     ids = prompts_of([200], seed=5)["r0"]
-    warm = make_engine(tiny_llm)
+    warm = make_engine(tiny_llm, snapshots="grid")
     run_all(warm, {"a": ids})
     snap = warm.cache.prefix.lookup(ids + [1], 129)
     assert snap is not None and snap.length == 128
@@ -188,7 +218,7 @@ def test_park_resume_and_abort_leave_others_exact(tiny_llm) -> None:
 
 
 def test_every_byte_returns_to_the_pools(tiny_llm) -> None:
-    engine = make_engine(tiny_llm)
+    engine = make_engine(tiny_llm, snapshots="grid")
     run_all(engine, prompts_of([130, 70, 10], seed=9))
     usage = engine.cache.usage()
     assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
@@ -264,7 +294,7 @@ def test_full_pools_wait_or_refuse(tiny_llm) -> None:
 
 def test_export_import_round_trip_and_refusals(tiny_llm, tmp_path) -> None:
     ids = prompts_of([140], seed=13)["r0"]
-    src = make_engine(tiny_llm)
+    src = make_engine(tiny_llm, snapshots="grid")
     run_all(src, {"a": ids})
     path = tmp_path / "prefix.safetensors"
     assert src.export_prefix_cache(path) == 2

@@ -40,7 +40,7 @@ def test_prefix_hit_remainders_match_a_miss(tiny_llm) -> None:
     """Questions behind a cached prefix: the hit restores the state at 64 / 128 / 192 and runs the
     remaining 3..40 tokens as one padded chunk; tokens equal the miss's, logits within 1e-5."""
     base = prompts_of([200], seed=3)["r0"]
-    cold, warm = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm)
+    cold, warm = make_engine(tiny_llm, prefix_bytes=0), make_engine(tiny_llm, snapshots="grid")
     run_all(warm, {"seed": base})  # snapshots at 64, 128, 192
     graphs = padded(warm)
     seen_cold, seen_warm = capture(cold), capture(warm)
@@ -74,8 +74,9 @@ def test_what_takes_the_padded_step() -> None:
 
 
 def test_what_takes_a_long_fresh_graph() -> None:
-    """Past the short buckets: only a sequence's first chunk (position 0) with no snapshot wanted,
-    up to the longest bucket the env allows; padded to the next LONG_BUCKETS size."""
+    """Past the short buckets: only a sequence's first piece (from position 0, up to its first
+    snapshot position), up to the longest bucket the env allows; padded to the next LONG_BUCKETS
+    size. A chunk cut into pieces replays only if every piece does."""
     from deltaserve.cache.batch import SeqChunk
     from deltaserve.engine.prefill_graph import _long_bucket
 
@@ -86,7 +87,13 @@ def test_what_takes_a_long_fresh_graph() -> None:
     assert graphs.pieces(SeqChunk(0, 0, 4096, table)) == [SeqChunk(0, 0, 4096, table)]
     assert graphs.pieces(SeqChunk(0, 0, 4097, table)) is None  # over the env's limit
     assert graphs.pieces(SeqChunk(0, 64, 300, table)) is None  # a later chunk: eager
-    assert graphs.pieces(SeqChunk(0, 0, 300, table, snapshot_at=(64,))) is None
+    assert graphs.pieces(SeqChunk(0, 0, 300, table, snapshot_at=(64,))) is None  # [64,300) eager
+    # the sparse policy's snapshots: the prompt's last grid position, at or before its end
+    assert graphs.pieces(SeqChunk(0, 0, 4096, table, snapshot_at=(4096,))) == [
+        SeqChunk(0, 0, 4096, table)]
+    assert graphs.pieces(SeqChunk(0, 0, 300, table, snapshot_at=(256,))) == [
+        SeqChunk(0, 0, 256, table), SeqChunk(0, 256, 44, table)]
+    assert graphs.pieces(SeqChunk(0, 0, 300, table, snapshot_at=(64, 256))) is None
     assert graphs.pieces(SeqChunk(0, 0, 300, table, verify=True)) is None
     assert [_long_bucket(n, 8192) for n in (129, 256, 257, 1100, 5000, 8192, 8193)] == [
         256, 256, 512, 1536, 6144, 8192, None]
@@ -124,12 +131,25 @@ def test_long_fresh_prompts_match_the_prefill_path(tiny_llm) -> None:
 
 
 def test_long_prompts_with_snapshots_or_a_later_chunk_run_eagerly(tiny_llm) -> None:
-    """The prefix cache wants snapshots on a fresh 300-token prompt (every 64 tokens): eager; a
-    prompt over the chunk budget: its first chunk replays, the later ones run eagerly."""
-    warm = make_engine(tiny_llm, budget=1024, num_blocks=128)
+    """A fresh 300-token prompt: with a snapshot every 64 tokens ("grid") it runs eagerly; with
+    the default sparse snapshots (its last grid position, 256) as a long graph piece [0, 256) and a
+    short one [256, 300), the snapshot the slot's state after the first, and the tokens a cold
+    engine's. A prompt over the chunk budget: its first chunk replays, the later ones run eagerly."""
+    warm = make_engine(tiny_llm, budget=1024, num_blocks=128, snapshots="grid")
     graphs = padded(warm)
     run_all(warm, prompts_of([300], seed=5))
     assert graphs.num_runs == 0
+    sparse, plain = (make_engine(tiny_llm, budget=1024, num_blocks=128) for _ in range(2))
+    graphs = padded(sparse)
+    plain.runner.prefill_graphs = None
+    ids = prompts_of([300], seed=5)
+    assert run_all(sparse, ids) == run_all(plain, ids)
+    assert graphs.num_runs == 2 and (256, 0, False, False) in graphs.graphs
+    assert [e.length for e in sparse.cache.prefix.entries.values()] == [256]
+    for ours, theirs in zip(*(next(iter(e.cache.prefix.entries.values())).states
+                              for e in (sparse, plain)), strict=True):
+        if theirs is not None:
+            assert rel(ours[0], theirs[0]) <= 1e-5 and rel(ours[1], theirs[1]) <= 1e-5
     cold = make_engine(tiny_llm, prefix_bytes=0, budget=200, num_blocks=128)
     graphs, plain = padded(cold), make_engine(tiny_llm, prefix_bytes=0, budget=200, num_blocks=128)
     ids = prompts_of([576], seed=6)  # chunks of 192 (the 64-token grid): the first replays
@@ -208,8 +228,8 @@ def test_long_graph_keeps_the_prefix_snapshots(tiny_llm, monkeypatch) -> None:
     monkeypatch.setenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS", "1")
     env.cache_clear()
     try:
-        plain = make_engine(tiny_llm, budget=1024, num_blocks=128)
-        graph = make_engine(tiny_llm, budget=1024, num_blocks=128)
+        plain = make_engine(tiny_llm, budget=1024, num_blocks=128, snapshots="grid")
+        graph = make_engine(tiny_llm, budget=1024, num_blocks=128, snapshots="grid")
         graphs = padded(graph)
     finally:  # the knob only for these engines' graphs: later env() reads see it unset
         monkeypatch.delenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS")
