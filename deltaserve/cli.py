@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: the checkpoint folder's name)")
     sv.add_argument("--max-num-seqs", type=int, default=64)
-    sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="per-step token budget, the longest prefill chunk (default: 8192 on "
+                         "CUDA, 2048 on CPU)")
     sv.add_argument("--max-queue", type=int, default=256,
                     help="requests waiting for a slot before new ones get 503")
     sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,

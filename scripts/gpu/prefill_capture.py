@@ -138,10 +138,12 @@ def kernels(llm: LLM, n: int) -> dict:
             "kernels": [[name, int(c), round(us, 1)] for name, (c, us) in ranked[:45]]}
 
 
-def prefix_on(model: str, lens: list[int], repeats: int, snapshots: str) -> list[dict]:
+def prefix_on(model: str, lens: list[int], repeats: int, snapshots: str,
+              chunk: int | None) -> list[dict]:
     """generate() of fresh prompts (new random ids each call: no prefix hits) with the prefix
-    cache on, as users run it (`snapshots`: LLM(prefix_snapshots=)): median ms per length."""
-    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=8192,
+    cache on, as users run it (`snapshots`: LLM(prefix_snapshots=); `chunk`:
+    max_num_batched_tokens, None = LLM's default): median ms per length."""
+    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=chunk,
               prefix_snapshots=snapshots)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
@@ -152,7 +154,9 @@ def prefix_on(model: str, lens: list[int], repeats: int, snapshots: str) -> list
         llm.generate([prompts[0]], one)  # warm-up (captures a graph where one is taken)
         fresh = iter(prompts[1:])  # a new prompt per call
         runs = synced_ms(lambda fresh=fresh: llm.generate([next(fresh)], one), repeats)
-        rows.append({"tokens": n, "prefix_cache": True, "snapshots": snapshots, "generate_ms": runs,
+        rows.append({"tokens": n, "prefix_cache": True, "snapshots": snapshots,
+                     "max_num_batched_tokens": llm.engine_args["max_num_batched_tokens"],
+                     "generate_ms": runs,
                      "tok_s": n / statistics.median(runs) * 1e3})
     return rows
 
@@ -169,10 +173,12 @@ def main() -> None:
                     help="generate() of fresh prompts with the prefix cache on, nothing else")
     ap.add_argument("--snapshots", default="sparse", choices=("sparse", "grid"),
                     help="with --prefix-on: LLM(prefix_snapshots=)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="with --prefix-on: LLM(max_num_batched_tokens=), default LLM's")
     args = ap.parse_args()
     if args.prefix_on:
         rows = prefix_on(args.model, [int(v) for v in args.lens.split(",")], args.repeats,
-                         args.snapshots)
+                         args.snapshots, args.chunk)
         for row in rows:
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
         Path(args.out).write_text(json.dumps({"kind": "h200-prefill-prefix-on", "rows": rows,

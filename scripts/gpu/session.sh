@@ -211,6 +211,15 @@ next)  # issue 6, next session: this session's unmeasured code (snapshot-keeping
             2>&1 | grep -v -i warn | cut -c1-200 | tail -2
     done
     ;;
+defaults)  # issue 6: long prompts with LLM's defaults (8192-token chunks on CUDA) vs 2048 chunks
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_prefill_graph.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8
+    for chunk in default 2048; do
+        timeout 150 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 2048,8192,32768 \
+            --prefix-on $( [ $chunk = default ] || echo --chunk $chunk ) --repeats 3 \
+            --out "$OUT/prefix-on-chunk-$chunk.json" 2>&1 | grep -v -i warn | cut -c1-220 | tail -3
+    done
+    ;;
 sparse)  # issue 6: the default (sparse) prefix snapshots and the split attention, as users run them
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_prefill_graph.py \
         tests/ops/test_conv1d_attention.py tests/engine/test_cuda_graphs.py \

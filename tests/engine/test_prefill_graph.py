@@ -281,9 +281,10 @@ def test_a_graph_without_memory_to_capture_runs_eagerly(tiny_llm) -> None:
 
 @pytest.mark.gpu
 def test_captured_long_graph_keeps_the_eager_snapshots(tiny_dir, monkeypatch) -> None:
-    """bf16 on CUDA, prefix cache on, DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: a fresh 300-token
-    prompt replays a captured 512-row graph (fla's fp32 state pass on padded rows inside it); the
-    snapshots it stores match the eager engine's (same positions, states within 1e-2)."""
+    """bf16 on CUDA, prefix cache on with a snapshot every 64 tokens ("grid"),
+    DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: a fresh 300-token prompt replays a captured 512-row graph
+    (fla's fp32 state pass on padded rows inside it); the snapshots it stores match the eager
+    engine's (same positions, states within 1e-2)."""
     from deltaserve import LLM
     from deltaserve.env import env
 
@@ -291,8 +292,8 @@ def test_captured_long_graph_keeps_the_eager_snapshots(tiny_dir, monkeypatch) ->
     monkeypatch.setenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS", "1")
     env.cache_clear()
     try:
-        graph_engine, eager_engine = (make_engine(llm, budget=512, num_blocks=128)
-                                      for _ in range(2))
+        graph_engine, eager_engine = (make_engine(llm, budget=512, num_blocks=128,
+                                                  snapshots="grid") for _ in range(2))
     finally:
         monkeypatch.delenv("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS")
         env.cache_clear()
