@@ -50,9 +50,9 @@ class Env:
     # DELTASERVE_PREFILL_GRAPH_TOKENS: the longest fresh prefill chunk replayed from a CUDA graph
     # (engine/prefill_graph.LONG_BUCKETS; default 16384, 0 = only the short chunks' graphs)
     prefill_graph_tokens: int
-    # DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: long fresh chunks whose prefix snapshots are wanted
-    # (prefix cache on) replay from graphs too, keeping every 64th position's state (default off
-    # until measured on a GPU: engine/prefill_graph.py)
+    # DELTASERVE_PREFILL_GRAPH_SNAPSHOTS=1: a long fresh chunk whose pieces cut at its prefix
+    # snapshots would not all replay takes one graph keeping every 64th position's state (default
+    # off: ~19 MB of buffer per 64 rows on the 0.8B shape; engine/prefill_graph.py)
     prefill_graph_snapshots: bool
     # DELTASERVE_SPLIT_ATTENTION=0: a 16-bit CUDA chunk of >= 2,048 rows behind cached keys runs FA2's
     # bottom-right causal kernel instead of two cuDNN calls merged by log-sum-exp (ops/attention.py)

@@ -211,6 +211,14 @@ next)  # issue 6, next session: this session's unmeasured code (snapshot-keeping
             2>&1 | grep -v -i warn | cut -c1-200 | tail -2
     done
     ;;
+last)  # the tenth session's last call: every gpu test (speculation on CUDA printed), the bench tiers
+    timeout "${TESTS_S:-300}" python3 -m pytest -q -s -m gpu tests -p no:cacheprovider \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error|identical" | tail -14
+    timeout 150 python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
+        --formats bf16,int8 --peer none --prefill-lens 2048,8192,32768 \
+        --out "$OUT/bench-cuda.json" 2>&1 | grep -E "^(decode|prefill|roofline)" | cut -c1-200
+    prefill_rates "$OUT/bench-cuda.json" "last"
+    ;;
 defaults)  # issue 6: long prompts with LLM's defaults (8192-token chunks on CUDA) vs 2048 chunks
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_prefill_graph.py \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8

@@ -138,3 +138,36 @@ def test_prefix_snapshots_never_hold_drafts(tiny_bf16_llm) -> None:
     second = {"b": base[:64] + base[100:150]}
     assert run_all(spec, second, params) == run_all(plain, second, params)
     assert spec.cache.prefix.hits >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_greedy_identical_on_cuda_fp32(method) -> None:
+    """The trained default model on CUDA, fp32 with TF32 off: prose, code and a repetitive prompt
+    in one batch give the same tokens with and without speculation (verify rows take GEMMs where a
+    decode takes GEMVs: the same argmax unless two logits tie within fp32 rounding), with drafts
+    accepted and rejected. bf16 on CUDA is not batch-invariant (cuBLAS picks kernels by row count,
+    so a verify row's logits differ from a decode row's in the last bits): there the share of
+    identical tokens is printed, not asserted."""
+    from deltaserve import LLM
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for dtype in ("float32", "bfloat16"):
+            llm = LLM(None, dtype=dtype, device="cuda")
+            prompts = encode(llm, {"prose": PROSE, "code": CODE, "repeat": REPEAT})
+            want = run_all(make_engine(llm), prompts, greedy(48))
+            spec = SpeculativeConfig(method=method, num_speculative_tokens=3, adaptive=False)
+            engine = make_engine(llm, spec)
+            got = run_all(engine, prompts, greedy(48))
+            stats = engine.spec.stats
+            same = sum(a == b for rid in want for a, b in zip(got[rid], want[rid], strict=True))
+            print(f"{method} {dtype}: {same}/{sum(map(len, want.values()))} tokens identical, "
+                  f"accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts")
+            if dtype == "float32":
+                assert got == want
+                assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
