@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
+    qz.add_argument("--encoder", default="search", choices=["search", "minmax"],
+                    help="int4 groups: the least-squared-error scale and bias (default) or the "
+                         "group's min and max as MLX encodes them")
     qz.add_argument("out", help="output folder (new or empty)")
     gg = sub.add_parser("import-gguf", help="convert a qwen35 GGUF file into a checkpoint folder")
     gg.add_argument("gguf", help="the .gguf file")
@@ -217,7 +220,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.quant.convert import quantize_checkpoint
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
-    summary = quantize_checkpoint(model_dir, args.format, Path(args.out))
+    summary = quantize_checkpoint(model_dir, args.format, Path(args.out),
+                                  search=args.encoder == "search")
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -35,7 +35,9 @@ def quantizable_names(model_dir: Path) -> set[str]:
     return {n for _, names in module_checkpoint_names(model) for n in names}
 
 
-def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path) -> dict:
+def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool = True) -> dict:
+    """search: affine (int4) groups take the least-squares encoder (quant/schemes.py); False:
+    their min and max, as MLX's encoder."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format '{fmt}' (choose {', '.join(FORMATS)})")
     scheme = FORMATS[fmt]
@@ -60,7 +62,7 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path) -> dict:
                         kept_float.append(key)
                     else:
                         base = key.removesuffix(".weight")
-                        for leaf, v in quantize(t, scheme, SCALE_DTYPE).items():
+                        for leaf, v in quantize(t, scheme, SCALE_DTYPE, search).items():
                             tensors[f"{base}.{leaf}"] = v.contiguous()
                         num_quantized += 1
                         continue
@@ -73,7 +75,8 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path) -> dict:
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (
             "config.json", "model.safetensors.index.json"):
             shutil.copy(f, out_dir / f.name)
-    return {"format": fmt, "num_quantized": num_quantized, "kept_float": kept_float,
+    return {"format": fmt, "encoder": "search" if search else "minmax",
+            "num_quantized": num_quantized, "kept_float": kept_float,
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}
 
 

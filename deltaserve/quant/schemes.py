@@ -6,6 +6,11 @@ Groups run along the input (last) axis. Layouts (docs/formats.md):
           uint32 words [N, K * bits / 32] (ours int4 = MLX 4-bit; MLX 8-bit; GGUF Q4_0 mapped here)
   q1      w = s * (2b - 1), bits packed LSB-first into uint8 [N, K / 8] (GGUF Q1_0 semantics)
 Scales/biases keep the file's float dtype; dequantization computes in fp32.
+
+The affine encoder searches each group's (scale, bias) for the least squared error (after llama.cpp's
+k-quant encoder, `make_qkx2_quants`: codes from a few stretched ranges, each refit by least
+squares): ~16% less squared error than MLX's encoder (the group's min and max, where the search
+starts and which it never does worse than) on Gaussian and heavy-tailed weights. Same layout.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ Q1 = Scheme("q1", 1, 128)
 FORMATS = {"int8": INT8, "int4": INT4, "q1": Q1}
 
 
-def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float16) -> dict:
-    """w [N, K] float -> {"weight", "scales"[, "biases"]}: the reference encoder."""
+def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float16,
+             search: bool = True) -> dict:
+    """w [N, K] float -> {"weight", "scales"[, "biases"]}: the reference encoder. search=False:
+    affine groups take their min/max range (MLX's encoder) instead of the least-squares search."""
     rows, cols = w.shape
     s.check_cols(cols, "weight")
     g = w.float().reshape(rows, cols // s.group_size, s.group_size)
@@ -75,12 +82,72 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         bits = (g >= 0).reshape(rows, cols)
         return {"weight": _pack_bits(bits), "scales": scale}
     levels = (1 << s.bits) - 1
+    codes, scales, biases = [], [], []
+    for part in g.split(AFFINE_ROWS_PER_PASS):  # the search's temporaries stay a few 100 MB
+        scale, bias = affine_fit(part, levels, scale_dtype) if search else _minmax(
+            part, levels, scale_dtype)
+        codes.append(_affine_codes(part, scale.float(), bias.float(), levels))
+        scales.append(scale)
+        biases.append(bias)
+    q = torch.cat(codes).reshape(rows, cols).to(torch.int64)
+    return {"weight": pack_codes(q, s.bits), "scales": torch.cat(scales),
+            "biases": torch.cat(biases)}
+
+
+AFFINE_ROWS_PER_PASS = 2048
+# codes per unit of range tried per group: levels + each of these (make_qkx2_quants tries 21 points
+# of [-1, 1]; 5 of them and two refits came within 0.3% of its error at a third of its time)
+AFFINE_STRETCHES = (-1.0, -0.5, 0.0, 0.5, 1.0)
+AFFINE_REFITS = 2  # then: the best pair's nearest codes, refit by least squares, kept if better
+
+
+def _minmax(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / levels).clamp_min(1e-12).to(scale_dtype)
-    bias = lo.to(scale_dtype)
-    q = ((g - bias.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round().clamp(0, levels)
-    return {"weight": pack_codes(q.reshape(rows, cols).to(torch.int64), s.bits),
-            "scales": scale, "biases": bias}
+    return ((hi - lo) / levels).clamp_min(1e-12).to(scale_dtype), lo.to(scale_dtype)
+
+
+def _affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
+    """The nearest code of each weight for a group's stored (scale, bias) [R, G]."""
+    return ((g - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, levels)
+
+
+def _affine_err(g, scale, bias, levels: int) -> torch.Tensor:
+    q = _affine_codes(g, scale, bias, levels)
+    return (q * scale.unsqueeze(-1) + bias.unsqueeze(-1) - g).square().sum(-1)
+
+
+def _least_squares(g, q, scale_dtype: torch.dtype):
+    """(scale, bias, usable) [R, G] minimising sum (scale * q + bias - g)^2 for fixed codes q,
+    stored in scale_dtype."""
+    n = g.shape[-1]
+    sx, sq, sqq, sxq = g.sum(-1), q.sum(-1), q.square().sum(-1), (g * q).sum(-1)
+    det = n * sqq - sq * sq
+    scale = ((n * sxq - sq * sx) / det.clamp_min(1e-30)).to(scale_dtype)
+    bias = ((sqq * sx - sq * sxq) / det.clamp_min(1e-30)).to(scale_dtype)
+    usable = (det > 0) & (scale > 0) & torch.isfinite(scale) & torch.isfinite(bias)
+    return scale, bias, usable
+
+
+def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
+    """(scale, bias) [R, G] in scale_dtype for groups g [R, G, S] (fp32): of the min/max range and
+    the least-squares fits of the codes of a few stretched ranges (AFFINE_STRETCHES, then
+    AFFINE_REFITS), the one whose stored values give the least squared error over its group."""
+    best_s, best_b = _minmax(g, levels, scale_dtype)
+    best_err = _affine_err(g, best_s.float(), best_b.float(), levels)
+    lo = g.amin(-1, keepdim=True)
+    span = (g.amax(-1) - lo.squeeze(-1)).clamp_min(1e-12)
+    for step in range(len(AFFINE_STRETCHES) + AFFINE_REFITS):
+        if step < len(AFFINE_STRETCHES):
+            per_unit = (levels + AFFINE_STRETCHES[step]) / span
+            q = ((g - lo) * per_unit.unsqueeze(-1)).round().clamp(0, levels)
+        else:
+            q = _affine_codes(g, best_s.float(), best_b.float(), levels)
+        scale, bias, usable = _least_squares(g, q, scale_dtype)
+        err = _affine_err(g, scale.float().clamp_min(1e-30), bias.float(), levels)
+        better = usable & (err < best_err)
+        best_s, best_b = torch.where(better, scale, best_s), torch.where(better, bias, best_b)
+        best_err = torch.where(better, err, best_err)
+    return best_s, best_b
 
 
 def dequantize(t: dict, s: Scheme, dtype: torch.dtype = torch.float32) -> torch.Tensor:
