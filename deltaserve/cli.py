@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--encoder", default="search", choices=["search", "minmax"],
                     help="int4 groups: the least-squared-error scale and bias (default) or the "
                          "group's min and max as MLX encodes them")
+    qz.add_argument("--calibration", default=None, metavar="TEXT_FILE",
+                    help="int4: weigh each input column's error by its mean square over this text "
+                         "run through the float model (an importance matrix)")
+    qz.add_argument("--calibration-tokens", type=int, default=4096,
+                    help="tokens of the calibration text used (default 4096)")
     qz.add_argument("out", help="output folder (new or empty)")
     gg = sub.add_parser("import-gguf", help="convert a qwen35 GGUF file into a checkpoint folder")
     gg.add_argument("gguf", help="the .gguf file")
@@ -220,8 +225,20 @@ def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.quant.convert import quantize_checkpoint
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    importance = None
+    if args.calibration is not None:
+        from deltaserve.errors import ConfigError
+        from deltaserve.quant.calibrate import MIN_TOKENS, input_importance, read_calibration
+
+        if args.calibration_tokens < MIN_TOKENS:
+            raise ConfigError(f"--calibration-tokens must be at least {MIN_TOKENS}")
+        if args.format != "int4" or args.encoder != "search":
+            raise ConfigError("--calibration weighs the int4 encoder's search: use it with "
+                              "--format int4 (and the default --encoder search)")
+        importance = input_importance(model_dir, read_calibration(Path(args.calibration)),
+                                      args.calibration_tokens)
     summary = quantize_checkpoint(model_dir, args.format, Path(args.out),
-                                  search=args.encoder == "search")
+                                  search=args.encoder == "search", importance=importance)
     print(json.dumps(summary, indent=2))
     return 0
 

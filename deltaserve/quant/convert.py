@@ -35,12 +35,17 @@ def quantizable_names(model_dir: Path) -> set[str]:
     return {n for _, names in module_checkpoint_names(model) for n in names}
 
 
-def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool = True) -> dict:
+def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool = True,
+                        importance: dict[str, torch.Tensor] | None = None) -> dict:
     """search: affine (int4) groups take the least-squares encoder (quant/schemes.py); False:
-    their min and max, as MLX's encoder."""
+    their min and max, as MLX's encoder. importance: module name -> [K] input importance
+    (quant/calibrate.py) weighing that search's errors."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format '{fmt}' (choose {', '.join(FORMATS)})")
     scheme = FORMATS[fmt]
+    if importance is not None and (scheme.kind != "affine" or not search):
+        raise ConfigError("calibration weighs the int4 encoder's search: use it with --format int4 "
+                          "and the search encoder")
     raw = read_config(model_dir)
     if quant_block(raw):
         raise CheckpointError(f"{model_dir} is already quantized; start from the float checkpoint")
@@ -50,7 +55,7 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
     index = TensorIndex.scan(model_dir)  # also validates the folder
     files = sorted({f for f, _ in index.locations.values()})
     tensors: dict[str, torch.Tensor] = {}
-    num_quantized, kept_float = 0, []
+    num_quantized, kept_float, targets_quantized = 0, [], set()
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
@@ -62,9 +67,11 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
                         kept_float.append(key)
                     else:
                         base = key.removesuffix(".weight")
-                        for leaf, v in quantize(t, scheme, SCALE_DTYPE, search).items():
+                        imp = (importance or {}).get(module)
+                        for leaf, v in quantize(t, scheme, SCALE_DTYPE, search, imp).items():
                             tensors[f"{base}.{leaf}"] = v.contiguous()
                         num_quantized += 1
+                        targets_quantized.add(module)
                         continue
                 tensors[key] = t.contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +83,7 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
             "config.json", "model.safetensors.index.json"):
             shutil.copy(f, out_dir / f.name)
     return {"format": fmt, "encoder": "search" if search else "minmax",
+            "calibrated": sorted(set(importance or ()) & targets_quantized),
             "num_quantized": num_quantized, "kept_float": kept_float,
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}
 

@@ -66,9 +66,10 @@ FORMATS = {"int8": INT8, "int4": INT4, "q1": Q1}
 
 
 def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float16,
-             search: bool = True) -> dict:
+             search: bool = True, importance: torch.Tensor | None = None) -> dict:
     """w [N, K] float -> {"weight", "scales"[, "biases"]}: the reference encoder. search=False:
-    affine groups take their min/max range (MLX's encoder) instead of the least-squares search."""
+    affine groups take their min/max range (MLX's encoder) instead of the least-squares search;
+    importance [K] (quant/calibrate.py) weighs each column's squared error in that search."""
     rows, cols = w.shape
     s.check_cols(cols, "weight")
     g = w.float().reshape(rows, cols // s.group_size, s.group_size)
@@ -82,9 +83,16 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         bits = (g >= 0).reshape(rows, cols)
         return {"weight": _pack_bits(bits), "scales": scale}
     levels = (1 << s.bits) - 1
+    imp = None
+    if importance is not None:
+        if importance.shape != (cols,):
+            raise ValueError(f"importance has shape {list(importance.shape)}; the weight has "
+                             f"{cols} inputs")
+        imp = importance.float().clamp_min(0).reshape(1, cols // s.group_size, s.group_size)
+        imp = imp + imp.mean(-1, keepdim=True) * 1e-3 + 1e-30  # no column weighs exactly 0
     codes, scales, biases = [], [], []
     for part in g.split(AFFINE_ROWS_PER_PASS):  # the search's temporaries stay a few 100 MB
-        scale, bias = affine_fit(part, levels, scale_dtype) if search else _minmax(
+        scale, bias = affine_fit(part, levels, scale_dtype, imp) if search else _minmax(
             part, levels, scale_dtype)
         codes.append(_affine_codes(part, scale.float(), bias.float(), levels))
         scales.append(scale)
@@ -111,16 +119,21 @@ def _affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
     return ((g - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, levels)
 
 
-def _affine_err(g, scale, bias, levels: int) -> torch.Tensor:
+def _affine_err(g, scale, bias, levels: int, imp=None) -> torch.Tensor:
     q = _affine_codes(g, scale, bias, levels)
-    return (q * scale.unsqueeze(-1) + bias.unsqueeze(-1) - g).square().sum(-1)
+    err = (q * scale.unsqueeze(-1) + bias.unsqueeze(-1) - g).square()
+    return (err if imp is None else err * imp).sum(-1)
 
 
-def _least_squares(g, q, scale_dtype: torch.dtype):
-    """(scale, bias, usable) [R, G] minimising sum (scale * q + bias - g)^2 for fixed codes q,
-    stored in scale_dtype."""
-    n = g.shape[-1]
-    sx, sq, sqq, sxq = g.sum(-1), q.sum(-1), q.square().sum(-1), (g * q).sum(-1)
+def _least_squares(g, q, scale_dtype: torch.dtype, imp=None):
+    """(scale, bias, usable) [R, G] minimising sum imp * (scale * q + bias - g)^2 for fixed codes
+    q (imp [1, G, S] or None: 1), stored in scale_dtype."""
+    if imp is None:
+        n, sx, sq = g.shape[-1], g.sum(-1), q.sum(-1)
+        sqq, sxq = q.square().sum(-1), (g * q).sum(-1)
+    else:
+        n, sx, sq = imp.sum(-1), (imp * g).sum(-1), (imp * q).sum(-1)
+        sqq, sxq = (imp * q.square()).sum(-1), (imp * g * q).sum(-1)
     det = n * sqq - sq * sq
     scale = ((n * sxq - sq * sx) / det.clamp_min(1e-30)).to(scale_dtype)
     bias = ((sqq * sx - sq * sxq) / det.clamp_min(1e-30)).to(scale_dtype)
@@ -128,12 +141,13 @@ def _least_squares(g, q, scale_dtype: torch.dtype):
     return scale, bias, usable
 
 
-def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
+def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, imp=None):
     """(scale, bias) [R, G] in scale_dtype for groups g [R, G, S] (fp32): of the min/max range and
     the least-squares fits of the codes of a few stretched ranges (AFFINE_STRETCHES, then
-    AFFINE_REFITS), the one whose stored values give the least squared error over its group."""
+    AFFINE_REFITS), the one whose stored values give the least squared error over its group
+    (each column's weighted by imp [1, G, S] where given)."""
     best_s, best_b = _minmax(g, levels, scale_dtype)
-    best_err = _affine_err(g, best_s.float(), best_b.float(), levels)
+    best_err = _affine_err(g, best_s.float(), best_b.float(), levels, imp)
     lo = g.amin(-1, keepdim=True)
     span = (g.amax(-1) - lo.squeeze(-1)).clamp_min(1e-12)
     for step in range(len(AFFINE_STRETCHES) + AFFINE_REFITS):
@@ -142,8 +156,8 @@ def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
             q = ((g - lo) * per_unit.unsqueeze(-1)).round().clamp(0, levels)
         else:
             q = _affine_codes(g, best_s.float(), best_b.float(), levels)
-        scale, bias, usable = _least_squares(g, q, scale_dtype)
-        err = _affine_err(g, scale.float().clamp_min(1e-30), bias.float(), levels)
+        scale, bias, usable = _least_squares(g, q, scale_dtype, imp)
+        err = _affine_err(g, scale.float().clamp_min(1e-30), bias.float(), levels, imp)
         better = usable & (err < best_err)
         best_s, best_b = torch.where(better, scale, best_s), torch.where(better, bias, best_b)
         best_err = torch.where(better, err, best_err)

@@ -1,0 +1,73 @@
+"""Input importance for the int4 encoder (`deltaserve quantize --calibration FILE`): the mean square of
+each quantized module's input, per input column, over calibration text run through the float model
+(llama.cpp's importance matrix). The encoder then weighs a weight's squared error by its column's
+importance: E[(dw . x)^2] = sum_k dw_k^2 E[x_k^2] when the columns are uncorrelated, the error the
+layer's output sees. The tied embedding's importance is the head's input (the final-normed hidden).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltaserve.errors import ConfigError
+
+MIN_TOKENS = 64  # fewer calibration tokens give importances that mostly reflect noise
+CHUNK_TOKENS = 512  # prefill chunk of the calibration run (bounds its activations)
+
+
+def read_calibration(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read calibration text {path}: {exc}") from None
+    if not text.strip():
+        raise ConfigError(f"calibration text {path} is empty")
+    return text
+
+
+def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict[str, torch.Tensor]:
+    """The quantizer's module name of each checkpoint projection (`model.layers.0.mlp.down_proj`,
+    `model.embed_tokens`; quant/convert.py) -> [K] fp32 mean square of its input over the first
+    max_tokens tokens of text (fp32 model on CPU)."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.layers.linear import Linear
+    from deltaserve.ops.gemv_prologue import apply_ref
+    from deltaserve.quant.loading import module_checkpoint_names
+
+    llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0)
+    ids = llm.tokenizer.encode(text)[:max_tokens]
+    if len(ids) < MIN_TOKENS:
+        raise ConfigError(f"the calibration text has {len(ids)} tokens; at least {MIN_TOKENS} "
+                          f"are needed")
+    model = llm.model
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def add(names: list[str], x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        square_sum = x.square().sum(0)
+        for name in names:  # the projections packed into one module read the same input
+            sums[name] = sums.get(name, 0) + square_sum
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+    hooks, head = [], []
+    for module, names in module_checkpoint_names(model):
+        if module is model.head:
+            head = names
+        elif isinstance(module, Linear):
+            def hook(mod, args, names=names) -> None:
+                add(names, apply_ref(args[0], args[1] if len(args) > 1 else None))
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        state = model.new_state()
+        with torch.inference_mode():
+            for start in range(0, len(ids), CHUNK_TOKENS):
+                h = model.hidden_states(torch.tensor([ids[start : start + CHUNK_TOKENS]]), state)
+                add(head, h)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: sums[name] / counts[name] for name in sums}
