@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="per-step token budget, the longest prefill chunk (default: 8192 on "
                          "CUDA, 2048 on CPU)")
+    sv.add_argument("--prefix-snapshots", default="sparse", choices=["sparse", "grid"],
+                    help="where prompts keep prefix-cache snapshots: their end and where they "
+                         "branch from an earlier prompt (default), or every 64 tokens")
     sv.add_argument("--max-queue", type=int, default=256,
                     help="requests waiting for a slot before new ones get 503")
     sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,

@@ -64,8 +64,8 @@ def fit_blocks(per_slot: int, per_block: int, block_len: int, num_slots: int, wa
         f"the KV cache for a {min_blocks * block_len:,}-token context does not fit: "
         f"{available / GiB:.2f} GiB free, {num_slots} state slots take "
         f"{num_slots * per_slot / GiB:.2f} GiB and scratch {scratch / GiB:.2f} GiB; the largest "
-        f"context that fits is {largest:,} tokens (pass --max-model-len {largest}, or fewer "
-        f"--max-num-seqs)" if largest > 0 else
+        f"context that fits is {largest:,} tokens (pass --max-model-len {largest}, fewer "
+        f"--max-num-seqs, or a smaller --max-num-batched-tokens)" if largest > 0 else
         f"not even one sequence's state fits: {available / GiB:.2f} GiB free, {num_slots} state "
         f"slots need {num_slots * per_slot / GiB:.2f} GiB (pass fewer --max-num-seqs)"
     )

@@ -4,10 +4,11 @@ prompts that ran. A request resumes from its longest snapshotted prefix.
 
 Which grid positions a prompt snapshots (`plan`): a snapshot of the 0.8B model is ~19 MB, so one
 every 64 tokens of an 8k prompt (2.4 GB) would not fit the default 1 GiB budget, and its own tail
-would evict its head. By default ("sparse") a prompt keeps two: its last grid position (the next
-turn of a conversation extends the prompt) and the deepest grid position it shares with an earlier
-prompt (a shared system prompt's end, from its second use on; the keys of recent prompts are
-remembered for this, SEEN_MAX_KEYS of them). "grid" keeps every grid position.
+would evict its head. By default ("sparse") a prompt keeps two: its last grid position before its
+final token (the same prompt again, or the next turn of a conversation, resumes there) and the
+deepest grid position it shares with an earlier prompt (a shared system prompt's end, from its
+second use on; the keys of recent prompts are remembered for this, SEEN_MAX_KEYS of them). "grid"
+keeps every grid position.
 
 Keys form a hash chain over the token ids, block by block, seeded with the model fingerprint: a key
 names a whole prefix, never a suffix that happens to match. LRU eviction under a byte budget
@@ -27,7 +28,8 @@ import torch
 from deltaserve.cache.pools import KVPool
 
 MEMO_ENTRIES = 8
-SEEN_MAX_KEYS = 1 << 17  # 16-byte keys of earlier prompts' grid positions (8M tokens at 64)
+SEEN_MAX_KEYS = 1 << 17  # keys of earlier prompts' grid positions (8M tokens at 64; ~17 MiB)
+PLANS_KEPT = 4096  # prompts whose plan is remembered (by their last key)
 LayerState = tuple[torch.Tensor, torch.Tensor] | None  # (conv window [C,W-1], state [HV,K,V])
 
 
@@ -75,9 +77,10 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = 0
         self._memo: list[tuple[list[int], list[bytes]]] = []  # most recent first
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # earlier prompts' keys, oldest first
+        self._plans: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
 
     def keys(self, token_ids: list[int], max_len: int) -> list[bytes]:
-        """Chain keys. Admission asks for a request's keys up to three times (lookup, wanted,
+        """Chain keys. Admission asks for a request's keys several times (lookup, plan or wanted,
         insert) and prefill chunks ask again, so the last MEMO_ENTRIES prompts' keys are kept
         (several prompts prefill side by side) and reused for any prefix of them."""
         steps = min(max_len, len(token_ids)) // self.granularity
@@ -112,11 +115,17 @@ class PrefixCache:
                      if keys[i] not in self.entries)
 
     def plan(self, token_ids: list[int]) -> tuple[int, ...]:
-        """The grid positions of a new prompt worth a snapshot ("sparse", module docstring): its
-        last one and the deepest one an earlier prompt shared. Then remembers its keys."""
-        keys = self.keys(token_ids, len(token_ids))
+        """The grid positions of a prompt worth a snapshot ("sparse", module docstring): its last
+        one before its final token (so that the same prompt again can resume there: a lookup
+        leaves a token to compute) and the deepest one an earlier prompt shared. Then remembers
+        its keys. A prompt planned before (a request admitted again after a preemption, or the
+        same prompt sent again) gets its first plan: its own keys are not an earlier prompt's."""
+        keys = self.keys(token_ids, len(token_ids) - 1)
         if not keys:
             return ()
+        if keys[-1] in self._plans:
+            self._plans.move_to_end(keys[-1])
+            return self._plans[keys[-1]]
         out = {len(keys) * self.granularity}
         shared = next((i for i in range(len(keys) - 1, -1, -1) if keys[i] in self.seen), None)
         if shared is not None:
@@ -126,7 +135,10 @@ class PrefixCache:
             self.seen.move_to_end(key)
         while len(self.seen) > SEEN_MAX_KEYS:
             self.seen.popitem(last=False)
-        return tuple(sorted(out))
+        self._plans[keys[-1]] = plan = tuple(sorted(out))
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
+        return plan
 
     def uncached(self, token_ids: list[int], positions: tuple[int, ...]) -> tuple[int, ...]:
         """The grid positions among `positions` with no snapshot yet."""

@@ -19,7 +19,7 @@ from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
-from deltaserve.errors import ConfigError, RequestError
+from deltaserve.errors import CapacityError, ConfigError, RequestError
 from deltaserve.multimodal.config import VISION_MODEL_TYPES
 from deltaserve.multimodal.inputs import ImageLimits
 from deltaserve.spec.config import SpeculativeConfig
@@ -58,7 +58,9 @@ class LLM:
         bytes, and every rank's scheduler must see the same hits).
         max_num_batched_tokens: the per-step token budget (the longest prefill chunk); None = 8192 on
         CUDA (a shorter chunk behind cached keys is bound by host time there: 2,048-token chunks ran
-        at ~60k tok/s on the H200, 8,192-token ones at ~150k), 2048 on CPU.
+        at ~60k tok/s on the H200, 8,192-token ones at ~150k) unless its scratch would cut the KV
+        cache that 2048 leaves, then 2048; 2048 on CPU. A decode row waits for the step's prefill
+        chunk: longer chunks mean longer pauses between tokens while prompts prefill.
         prefix_snapshots: where prompts keep prefix-cache snapshots: "sparse" (a prompt's end and
         where it branches from an earlier prompt) or "grid" (every 64 tokens; cache/prefix.py).
         speculative_config: vLLM's dict ({"method": "ngram" | "mtp", "num_speculative_tokens": k,
@@ -101,8 +103,6 @@ class LLM:
         self.images = load_image_prompts(self, image_limits or ImageLimits()) if (
             self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
         self.generation_config = self._generation_config()
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[self.device.type == "cuda"]
         if prefix_snapshots not in ("sparse", "grid"):
             raise RequestError(f"prefix_snapshots must be 'sparse' or 'grid', got "
                                f"{prefix_snapshots!r}")
@@ -310,11 +310,23 @@ def load_image_prompts(llm: LLM, limits: ImageLimits):
 
 
 DEFAULT_BATCHED_TOKENS = {False: 2048, True: 8192}  # LLM(max_num_batched_tokens=None): CPU, CUDA
+
+
+def _default_batched_tokens(device: torch.device, plan_for) -> int:
+    """8192 on CUDA where its scratch leaves the KV cache that 2048 leaves, else 2048 (a longer
+    context beats a faster prefill of long prompts; cache/memory.plan cuts blocks to fit)."""
+    small, large = DEFAULT_BATCHED_TOKENS[False], DEFAULT_BATCHED_TOKENS[device.type == "cuda"]
+    if large == small:
+        return small
+    try:
+        return large if plan_for(large)[0] >= plan_for(small)[0] else small
+    except CapacityError:
+        return small
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}
 
 
-def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
+def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int | None,
                  prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
                  kv_cache_dtype: str = "auto", max_waiting: int = 256,
                  speculative: SpeculativeConfig | None = None,
@@ -326,10 +338,15 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int,
     from deltaserve.engine.prefill_graph import graph_scratch_bytes
 
     kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
-    num_blocks, report = plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64,
-                              max_num_batched_tokens, kv_dtype,
-                              0 if speculative is not None and speculative.method == "mtp"
-                              else graph_scratch_bytes(llm.model, max_num_batched_tokens, 64))
+
+    def plan_for(batched_tokens: int):
+        return plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64, batched_tokens,
+                    kv_dtype, 0 if speculative is not None and speculative.method == "mtp"
+                    else graph_scratch_bytes(llm.model, batched_tokens, 64))
+
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = _default_batched_tokens(llm.model.device, plan_for)
+    num_blocks, report = plan_for(max_num_batched_tokens)
     stage = getattr(llm.model, "pp", None)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)

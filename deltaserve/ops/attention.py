@@ -78,6 +78,8 @@ def _split_attention(q, k, v, scale: float) -> torch.Tensor | None:
     try:
         o_old, lse_old = _cudnn_part(q, k[:, :, :cached], v[:, :, :cached], False, scale)
         o_new, lse_new = _cudnn_part(q, k[:, :, cached:], v[:, :, cached:], True, scale)
+    except torch.cuda.OutOfMemoryError:  # its expanded K/V: FA2 reads the KV heads as they are
+        return None
     except RuntimeError:  # this cuDNN / GPU has no such kernel for the shape
         _split_checked = False
         return None

@@ -13,13 +13,16 @@ from deltaserve.env import env
 _DONE = ".complete"  # written last: a folder without it is a crashed conversion, redone
 
 
-ENCODER_VERSION = 2  # 2: int4 groups from the least-squares search (quant/schemes.affine_fit)
+# per format: a changed encoder gets a fresh copy (int4 2: the least-squares search, affine_fit)
+ENCODER_VERSIONS = {"int4": 2}
 
 
 def _fingerprint(model_dir: Path, fmt: str) -> str:
     """Folder, format, encoder version and every weight file's name, size and mtime: a changed
     checkpoint (or encoder) gets a fresh copy instead of a stale one."""
-    h = hashlib.sha256(f"{model_dir.resolve()}|{fmt}|{ENCODER_VERSION}".encode())
+    version = ENCODER_VERSIONS.get(fmt)
+    h = hashlib.sha256(f"{model_dir.resolve()}|{fmt}{'' if version is None else f'|{version}'}"
+                       .encode())
     for f in sorted(model_dir.glob("*.safetensors")):
         st = f.stat()
         h.update(f"|{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

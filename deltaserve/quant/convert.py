@@ -82,7 +82,8 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (
             "config.json", "model.safetensors.index.json"):
             shutil.copy(f, out_dir / f.name)
-    return {"format": fmt, "encoder": "search" if search else "minmax",
+    return {"format": fmt,
+            "encoder": ("search" if search else "minmax") if scheme.kind == "affine" else None,
             "calibrated": sorted(set(importance or ()) & targets_quantized),
             "num_quantized": num_quantized, "kept_float": kept_float,
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}

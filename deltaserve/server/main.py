@@ -43,7 +43,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return LLM(path, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue,
-                   image_limits=limits, speculative_config=spec)  # TP: the launch's size (== --tp)
+                   prefix_snapshots=args.prefix_snapshots, image_limits=limits,
+                   speculative_config=spec)  # TP: the launch's size (== --tp)
 
     if mirror is not None and not mirror.is_first:
         from deltaserve.distributed.serve import follow

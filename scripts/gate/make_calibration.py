@@ -5,10 +5,9 @@ pydoc_data and other CPython sources, so the gate does not score text the encode
     python scripts/gate/make_calibration.py /tmp/calibration.txt
 """
 
+import pydoc_data.topics as topics
 import sys
 from pathlib import Path
-
-import pydoc_data.topics as topics
 
 TOPICS = ("class", "function", "if", "for", "while", "try", "lambda", "numbers", "types")
 SOURCES = ("string.py", "bisect.py", "shlex.py", "heapq.py")

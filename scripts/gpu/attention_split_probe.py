@@ -1,12 +1,12 @@
-"""H200, issue 6: why did the cuDNN split attention (42b7d29, reverted) not finish a 32k bench?
+"""H200, issue 6: the cuDNN split attention (ops/attention._split_attention) against FA2, per call.
 
     python3 scripts/gpu/attention_split_probe.py --out probe.json
 
 A 32k prompt's chunks 2-4 (8,192 queries behind 8k / 16k / 24k cached keys; 8 query heads, 2 KV
 heads, head dim 256, bf16) through three forms, each call timed on its own (wall, synchronized):
-FA2's bottom-right causal kernel (what runs now), cuDNN's internal op on the cached keys (no mask)
-and on the chunk's own (causal) with their log-sum-exps merged (the reverted split), and each cuDNN
-part alone. Checked against FA2's output. A per-shape compile shows as a slow first call
+FA2's bottom-right causal kernel (chunks under 2,048 rows), cuDNN's internal op on the cached keys
+(no mask) and on the chunk's own (causal) with their log-sum-exps merged (the split, longer chunks),
+and each cuDNN part alone. Checked against FA2's output. A per-shape compile shows as a slow first call
 (`split_first_call_ms`, timed before anything else runs that shape; 8256 and 8320 are cached
 lengths that a prefix hit or a mixed batch gives).
 """

@@ -155,7 +155,7 @@ def prefix_on(model: str, lens: list[int], repeats: int, snapshots: str,
         fresh = iter(prompts[1:])  # a new prompt per call
         runs = synced_ms(lambda fresh=fresh: llm.generate([next(fresh)], one), repeats)
         rows.append({"tokens": n, "prefix_cache": True, "snapshots": snapshots,
-                     "max_num_batched_tokens": llm.engine_args["max_num_batched_tokens"],
+                     "max_num_batched_tokens": llm.engine.scheduler.config.max_num_batched_tokens,
                      "generate_ms": runs,
                      "tok_s": n / statistics.median(runs) * 1e3})
     return rows

@@ -35,7 +35,13 @@ def test_a_prompt_plans_its_end_and_its_branch_from_earlier_prompts() -> None:
     turn = system + _ids(rng, 300)
     assert cache.plan(turn) == (128, 448)
     assert cache.plan(turn + _ids(rng, 100)) == (448, 512)
-    assert cache.plan(turn) == (448,)  # the same prompt again: its end, seen before
+    # the same prompt again (or admitted again after a preemption): its first plan, not its own
+    # keys taken for an earlier prompt's
+    assert cache.plan(turn) == (128, 448)
+    # a length on the grid: the last position before the final token, where a repeat resumes
+    grid = _ids(rng, 256)
+    assert cache.plan(grid) == (192,)
+    assert cache.plan(grid) == (192,)
 
 
 def test_uncached_filters_positions_with_a_snapshot() -> None:
@@ -52,10 +58,10 @@ def test_remembered_keys_are_bounded(monkeypatch) -> None:
     monkeypatch.setattr(prefix_mod, "SEEN_MAX_KEYS", 8)
     rng = random.Random(2)
     cache = PrefixCache(_KV(), 64, 1 << 20, "fp")
-    first = _ids(rng, 256)  # 4 keys
+    first = _ids(rng, 257)  # 4 keys
     cache.plan(first)
-    assert cache.plan(first[:200] + _ids(rng, 64)) == (192, 256)  # still remembered
+    assert cache.plan(first[:200] + _ids(rng, 65)) == (192, 256)  # still remembered
     for _ in range(3):
-        cache.plan(_ids(rng, 256))
+        cache.plan(_ids(rng, 257))
     assert len(cache.seen) == 8
-    assert cache.plan(first[:200] + _ids(rng, 64)) == (256,)
+    assert cache.plan(first[:200] + _ids(rng, 66)) == (256,)

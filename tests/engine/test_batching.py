@@ -169,6 +169,10 @@ def test_sparse_snapshots_serve_a_shared_system_prompt_and_the_next_turn(tiny_ll
     both("turn2", system + q1 + q2 + answer + q3)  # 296: resumes at 256, turn1's end
     assert warm.cache.prefix.hits == 3
     assert max(e.length for e in warm.cache.prefix.entries.values()) == 256
+    hits, repeated = warm.cache.prefix.hits, prompts_of([128], seed=23)["r0"]
+    both("once", repeated)  # a length on the grid: snapshots 64, where the same prompt resumes
+    both("twice", repeated)
+    assert warm.cache.prefix.hits == hits + 1
 
 def test_restored_state_is_bit_identical_to_a_miss(tiny_llm) -> None:
     """The snapshot at 128 taken inside a 200-token prefill equals the state of a 128-token run."""
@@ -217,12 +221,15 @@ def test_park_resume_and_abort_leave_others_exact(tiny_llm) -> None:
     assert usage["slots_used"] == 0 and usage["blocks_free"] == usage["blocks_total"]
 
 
-def test_every_byte_returns_to_the_pools(tiny_llm) -> None:
-    engine = make_engine(tiny_llm, snapshots="grid")
+@pytest.mark.parametrize(("snapshots", "num_entries"), [("grid", 3), ("sparse", 2)])
+def test_every_byte_returns_to_the_pools(tiny_llm, snapshots, num_entries) -> None:
+    """grid: 64 and 128 of the first prompt, 64 of the second; sparse: 128 and 64 (each one's last
+    grid position)."""
+    engine = make_engine(tiny_llm, snapshots=snapshots)
     run_all(engine, prompts_of([130, 70, 10], seed=9))
     usage = engine.cache.usage()
     assert usage["slots_used"] == 0 and usage["blocks_held_by_requests"] == 0
-    assert usage["prefix_entries"] == 3  # 64 and 128 of the first, 64 of the second
+    assert usage["prefix_entries"] == num_entries
     assert usage["blocks_free"] < usage["blocks_total"]  # snapshots hold their KV blocks
     engine.cache.prefix.clear()
     assert engine.cache.usage()["blocks_free"] == usage["blocks_total"]

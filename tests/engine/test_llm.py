@@ -97,3 +97,24 @@ def test_stream_decoder_never_splits_utf8(tiny_llm) -> None:
         pieces = [dec.push(i) for i in seq] + [dec.flush()]
         assert "".join(pieces) == text
         assert all("\ufffd" not in p for p in pieces)
+
+
+def test_default_batched_tokens_fall_back_where_8192_would_cut_the_kv_cache() -> None:
+    """LLM(max_num_batched_tokens=None): 8192 on CUDA while its scratch leaves the KV blocks 2048
+    leaves; 2048 where it would cut them or not fit at all; 2048 on CPU."""
+    import torch
+
+    from deltaserve.engine.llm import _default_batched_tokens
+    from deltaserve.errors import CapacityError
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _default_batched_tokens(cuda, lambda t: (100, None)) == 8192
+    assert _default_batched_tokens(cuda, lambda t: (100 if t == 2048 else 90, None)) == 2048
+
+    def refuses_8192(t: int):
+        if t == 8192:
+            raise CapacityError("too big")
+        return 100, None
+
+    assert _default_batched_tokens(cuda, refuses_8192) == 2048
+    assert _default_batched_tokens(cpu, refuses_8192) == 2048

@@ -54,9 +54,10 @@ def test_attention_matches_reference(seq_len: int, cache_len: int) -> None:
 @pytest.mark.parametrize("seq_len,cache_len", [(300, 1000), (64, 65), (128, 128)])
 def test_cuda_attention_behind_cached_keys_matches_reference(seq_len: int, cache_len: int,
                                                              monkeypatch) -> None:
-    """A bf16 chunk behind cached keys takes flash attention's bottom-right causal variant (no
-    [T,S] mask), or with DELTASERVE_SPLIT_ATTENTION=1 two cuDNN calls merged by log-sum-exp: each
-    the fp32 reference within bf16 rounding; head dim 256, GQA 8:2 as Qwen3.5."""
+    """A bf16 chunk behind cached keys: under SPLIT_MIN_QUERIES rows flash attention's
+    bottom-right causal variant (no [T,S] mask), and the split (two cuDNN calls merged by
+    log-sum-exp, which longer chunks take) called directly: each the fp32 reference within bf16
+    rounding; head dim 256, GQA 8:2 as Qwen3.5."""
     gen = torch.Generator(device="cuda").manual_seed(seq_len)
     q = torch.randn(1, 8, seq_len, 256, generator=gen, device="cuda").bfloat16()
     k = torch.randn(1, 2, cache_len, 256, generator=gen, device="cuda").bfloat16()
