@@ -57,10 +57,11 @@ def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict
         if module is model.head:
             head = names
         elif isinstance(module, Linear):
-            def hook(mod, args, names=names) -> None:
-                add(names, apply_ref(args[0], args[1] if len(args) > 1 else None))
+            def hook(mod, args, kwargs, names=names) -> None:
+                prologue = args[1] if len(args) > 1 else kwargs.get("prologue")
+                add(names, apply_ref(args[0], prologue))
 
-            hooks.append(module.register_forward_pre_hook(hook))
+            hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         state = model.new_state()
         with torch.inference_mode():

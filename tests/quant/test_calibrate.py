@@ -21,8 +21,13 @@ def test_importance_covers_every_quantized_module_with_its_input_mean_square(tin
     (final-normed hidden), computed here independently."""
     imp = input_importance(tiny_dir, TEXT, max_tokens=200)
     assert set(imp) == quantizable_names(tiny_dir)
+    cfg = tiny_llm.config
     for name, v in imp.items():
-        assert v.dim() == 1 and torch.isfinite(v).all() and (v > 0).any(), name
+        width = cfg.intermediate_size if name.endswith("down_proj") else (
+            cfg.num_attention_heads * cfg.head_dim if name.endswith("o_proj") else
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim if name.endswith("out_proj")
+            else cfg.hidden_size)
+        assert v.shape == (width,) and torch.isfinite(v).all() and (v > 0).any(), name
     ids = torch.tensor([tiny_llm.tokenizer.encode(TEXT)[:200]])
     with torch.inference_mode():
         h = tiny_llm.model.hidden_states(ids, tiny_llm.model.new_state())
