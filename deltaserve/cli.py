@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="per-step token budget, the longest prefill chunk (default: 8192 on "
-                         "CUDA, 2048 on CPU)")
+                         "CUDA unless its scratch would shorten the KV cache, else 2048)")
     sv.add_argument("--prefix-snapshots", default="sparse", choices=["sparse", "grid"],
                     help="where prompts keep prefix-cache snapshots: their end and where they "
                          "branch from an earlier prompt (default), or every 64 tokens")
@@ -228,20 +228,19 @@ def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.quant.convert import quantize_checkpoint
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
-    importance = None
+    importance, search = None, args.encoder == "search"
     if args.calibration is not None:
         from deltaserve.errors import ConfigError
         from deltaserve.quant.calibrate import MIN_TOKENS, input_importance, read_calibration
+        from deltaserve.quant.convert import check_request
 
         if args.calibration_tokens < MIN_TOKENS:
             raise ConfigError(f"--calibration-tokens must be at least {MIN_TOKENS}")
-        if args.format != "int4" or args.encoder != "search":
-            raise ConfigError("--calibration weighs the int4 encoder's search: use it with "
-                              "--format int4 (and the default --encoder search)")
+        check_request(model_dir, args.format, Path(args.out), search, calibrated=True)
         importance = input_importance(model_dir, read_calibration(Path(args.calibration)),
                                       args.calibration_tokens)
-    summary = quantize_checkpoint(model_dir, args.format, Path(args.out),
-                                  search=args.encoder == "search", importance=importance)
+    summary = quantize_checkpoint(model_dir, args.format, Path(args.out), search=search,
+                                  importance=importance)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -125,20 +125,24 @@ class PrefixCache:
             return ()
         if keys[-1] in self._plans:
             self._plans.move_to_end(keys[-1])
+            self._remember(keys)
             return self._plans[keys[-1]]
         out = {len(keys) * self.granularity}
         shared = next((i for i in range(len(keys) - 1, -1, -1) if keys[i] in self.seen), None)
         if shared is not None:
             out.add((shared + 1) * self.granularity)
+        self._remember(keys)
+        self._plans[keys[-1]] = plan = tuple(sorted(out))
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _remember(self, keys: list[bytes]) -> None:
         for key in keys:
             self.seen[key] = None
             self.seen.move_to_end(key)
         while len(self.seen) > SEEN_MAX_KEYS:
             self.seen.popitem(last=False)
-        self._plans[keys[-1]] = plan = tuple(sorted(out))
-        while len(self._plans) > PLANS_KEPT:
-            self._plans.popitem(last=False)
-        return plan
 
     def uncached(self, token_ids: list[int], positions: tuple[int, ...]) -> tuple[int, ...]:
         """The grid positions among `positions` with no snapshot yet."""

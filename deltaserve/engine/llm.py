@@ -59,7 +59,8 @@ class LLM:
         max_num_batched_tokens: the per-step token budget (the longest prefill chunk); None = 8192 on
         CUDA (a shorter chunk behind cached keys is bound by host time there: 2,048-token chunks ran
         at ~60k tok/s on the H200, 8,192-token ones at ~150k) unless its scratch would cut the KV
-        cache that 2048 leaves, then 2048; 2048 on CPU. A decode row waits for the step's prefill
+        cache that 2048 leaves, then 2048 (under TP or PP always 8192: every rank must agree);
+        2048 on CPU. A decode row waits for the step's prefill
         chunk: longer chunks mean longer pauses between tokens while prompts prefill.
         prefix_snapshots: where prompts keep prefix-cache snapshots: "sparse" (a prompt's end and
         where it branches from an earlier prompt) or "grid" (every 64 tokens; cache/prefix.py).
@@ -322,6 +323,8 @@ def _default_batched_tokens(device: torch.device, plan_for) -> int:
         return large if plan_for(large)[0] >= plan_for(small)[0] else small
     except CapacityError:
         return small
+
+
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}
 
@@ -344,10 +347,12 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int | None
                     kv_dtype, 0 if speculative is not None and speculative.method == "mtp"
                     else graph_scratch_bytes(llm.model, batched_tokens, 64))
 
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = _default_batched_tokens(llm.model.device, plan_for)
-    num_blocks, report = plan_for(max_num_batched_tokens)
     stage = getattr(llm.model, "pp", None)
+    if max_num_batched_tokens is None:  # ranks must agree: no fallback from one rank's memory
+        max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[llm.model.device.type == "cuda"] if (
+            stage is not None or llm.tp is not None) else _default_batched_tokens(
+            llm.model.device, plan_for)
+    num_blocks, report = plan_for(max_num_batched_tokens)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype,

@@ -78,14 +78,14 @@ def _split_attention(q, k, v, scale: float) -> torch.Tensor | None:
     try:
         o_old, lse_old = _cudnn_part(q, k[:, :, :cached], v[:, :, :cached], False, scale)
         o_new, lse_new = _cudnn_part(q, k[:, :, cached:], v[:, :, cached:], True, scale)
-    except torch.cuda.OutOfMemoryError:  # its expanded K/V: FA2 reads the KV heads as they are
+        lse = torch.logaddexp(lse_old, lse_new)
+        out = (o_old.float() * (lse_old - lse).exp()[..., None]
+               + o_new.float() * (lse_new - lse).exp()[..., None]).to(q.dtype)
+    except torch.cuda.OutOfMemoryError:  # expanded K/V, fp32 parts: FA2 needs neither
         return None
     except RuntimeError:  # this cuDNN / GPU has no such kernel for the shape
         _split_checked = False
         return None
-    lse = torch.logaddexp(lse_old, lse_new)
-    out = (o_old.float() * (lse_old - lse).exp()[..., None]
-           + o_new.float() * (lse_new - lse).exp()[..., None]).to(q.dtype)
     if _split_checked is None:  # an internal op's contract: checked once against FA2's result
         from torch.nn.attention.bias import causal_lower_right
 

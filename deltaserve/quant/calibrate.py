@@ -36,8 +36,10 @@ def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict
     from deltaserve.ops.gemv_prologue import apply_ref
     from deltaserve.quant.loading import module_checkpoint_names
 
-    llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0)
-    ids = llm.tokenizer.encode(text)[:max_tokens]
+    llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+    # (tokenizing the whole of a long file would cost more than the run: a token averages a few
+    # characters, so 64 per token keeps more than max_tokens)
+    ids = llm.tokenizer.encode(text[: max_tokens * 64])[:max_tokens]
     if len(ids) < MIN_TOKENS:
         raise ConfigError(f"the calibration text has {len(ids)} tokens; at least {MIN_TOKENS} "
                           f"are needed")

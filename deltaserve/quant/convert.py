@@ -35,15 +35,13 @@ def quantizable_names(model_dir: Path) -> set[str]:
     return {n for _, names in module_checkpoint_names(model) for n in names}
 
 
-def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool = True,
-                        importance: dict[str, torch.Tensor] | None = None) -> dict:
-    """search: affine (int4) groups take the least-squares encoder (quant/schemes.py); False:
-    their min and max, as MLX's encoder. importance: module name -> [K] input importance
-    (quant/calibrate.py) weighing that search's errors."""
+def check_request(model_dir: Path, fmt: str, out_dir: Path, search: bool = True,
+                  calibrated: bool = False) -> tuple[Scheme, dict]:
+    """(scheme, config.json) of a valid request, else a clear error before any work is done."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format '{fmt}' (choose {', '.join(FORMATS)})")
     scheme = FORMATS[fmt]
-    if importance is not None and (scheme.kind != "affine" or not search):
+    if calibrated and (scheme.kind != "affine" or not search):
         raise ConfigError("calibration weighs the int4 encoder's search: use it with --format int4 "
                           "and the search encoder")
     raw = read_config(model_dir)
@@ -51,6 +49,15 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
         raise CheckpointError(f"{model_dir} is already quantized; start from the float checkpoint")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"output folder {out_dir} is not empty")
+    return scheme, raw
+
+
+def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool = True,
+                        importance: dict[str, torch.Tensor] | None = None) -> dict:
+    """search: affine (int4) groups take the least-squares encoder (quant/schemes.py); False:
+    their min and max, as MLX's encoder. importance: module name -> [K] input importance
+    (quant/calibrate.py) weighing that search's errors."""
+    scheme, raw = check_request(model_dir, fmt, out_dir, search, importance is not None)
     targets = quantizable_names(model_dir)
     index = TensorIndex.scan(model_dir)  # also validates the folder
     files = sorted({f for f, _ in index.locations.values()})

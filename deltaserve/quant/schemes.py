@@ -88,8 +88,11 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         if importance.shape != (cols,):
             raise ValueError(f"importance has shape {list(importance.shape)}; the weight has "
                              f"{cols} inputs")
-        imp = importance.float().clamp_min(0).reshape(1, cols // s.group_size, s.group_size)
-        imp = imp + imp.mean(-1, keepdim=True) * 1e-3 + 1e-30  # no column weighs exactly 0
+        imp = importance.float().nan_to_num(0.0, 0.0, 0.0).clamp_min(0)
+        imp = imp.reshape(1, cols // s.group_size, s.group_size)
+        mean = imp.mean(-1, keepdim=True)  # per group: the fit sees relative weights only
+        usable = (mean > 0) & torch.isfinite(mean)
+        imp = torch.where(usable, imp / torch.where(usable, mean, 1.0), 1.0) + 1e-3  # none is 0
     codes, scales, biases = [], [], []
     for part in g.split(AFFINE_ROWS_PER_PASS):  # the search's temporaries stay a few 100 MB
         scale, bias = affine_fit(part, levels, scale_dtype, imp) if search else _minmax(

@@ -54,13 +54,30 @@ def test_importance_weighs_the_search_toward_important_columns() -> None:
     assert err["weighted"][..., 0].sum() < 0.5 * err["plain"][..., 0].sum()
     with pytest.raises(ValueError, match="inputs"):
         quantize(w, scheme, importance=torch.ones(255))
+    # only relative weights count: a scaled importance (by a power of two: exactly) gives the same
+    # codes; an all-zero or NaN importance weighs every column alike, as no importance does
+    scaled = quantize(w, scheme, importance=importance * 2.0**-70)
+    assert torch.equal(scaled["weight"], quantize(w, scheme, importance=importance)["weight"])
+    nan_at_3 = torch.zeros(256).index_fill_(0, torch.tensor([3]), float("nan"))
+    flat = (dequantize(quantize(w, scheme, importance=nan_at_3), scheme) - w).square().sum()
+    assert flat <= 1.01 * err["plain"].sum() and flat < 0.95 * err["minmax"].sum()
 
 
-def test_calibrated_quantize_writes_a_loadable_checkpoint(tiny_dir, tmp_path) -> None:
+def test_calibrated_quantize_writes_a_loadable_checkpoint(tiny_dir, tmp_path, capsys) -> None:
+    """Every quantized module calibrated, the codes unlike an uncalibrated run's, the model runs."""
+    import json
+
+    from safetensors.torch import load_file
+
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
     assert main(["quantize", "--model", str(tiny_dir), "--format", "int4", "--calibration",
                  str(calib), "--calibration-tokens", "200", str(tmp_path / "q")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["calibrated"]) == quantizable_names(tiny_dir)
+    quantize_checkpoint(tiny_dir, "int4", tmp_path / "plain")
+    ours, plain = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("q", "plain"))
+    assert not all(torch.equal(ours[k], plain[k]) for k in ours if k.endswith(".scales"))
     from deltaserve import LLM
 
     llm = LLM(tmp_path / "q", dtype="float32")
