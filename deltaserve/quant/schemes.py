@@ -118,8 +118,10 @@ def _minmax(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
 
 
 def _affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
-    """The nearest code of each weight for a group's stored (scale, bias) [R, G]."""
-    return ((g - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, levels)
+    """The nearest code of each weight for a group's stored (scale, bias) [R, G] (a constant group's
+    scale may round to 0 in fp16: its 0 / 0 codes are 0, the bias alone is the weight)."""
+    q = ((g - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, levels)
+    return q.nan_to_num(0.0)
 
 
 def _affine_err(g, scale, bias, levels: int, imp=None) -> torch.Tensor:
