@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -49,19 +48,17 @@ class MTPBlock(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin, kv: KVCache
                 ) -> torch.Tensor:
         """embeds, hidden [1,T,N] (next tokens' embeddings, the target's hidden) at the positions
-        of cos_sin, continuing kv (appended) -> normed hidden [1,T,N]."""
-        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
-        x = self.fc(x)
-        state = SimpleNamespace(kv={self.full_idx: kv})
-        return self.norm(self.layers[0](x, self.full_idx, state, cos_sin))
-
+        of cos_sin, continuing kv (appended) -> normed hidden [1,T,N]: forward_steps for one
+        request."""
+        return self.forward_steps(embeds, hidden, cos_sin, [kv], [embeds.shape[1]])
 
     def forward_steps(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin,
                       kvs: list[KVCache], lengths: list[int] | None = None) -> torch.Tensor:
         """Several requests' next positions, each continuing its own KV: embeds, hidden [1,R,N]
         (request i's lengths[i] rows back to back; one each by default), cos_sin of the R
-        positions -> normed hidden [1,R,N], as forward() per request, with fc, norms and MLP over
-        all rows at once and only attention per request."""
+        positions -> normed hidden [1,R,N]: fc, norms and MLP over all rows at once, attention per
+        request on its own KV (the DecoderLayer's order: input norm, attention, residual,
+        post-attention norm, MLP, residual)."""
         lengths = lengths or [1] * len(kvs)
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
         x = self.fc(x)
@@ -179,13 +176,10 @@ class MTPDrafter:
         self.run_many(fed)  # every request's new rows through the block in one call
         self.draft([track for track, _, _, _ in fed])
 
-    def propose(self, rid: str, num: int) -> list[int]:
-        """The tracked first draft, then num - 1 more from the block's own outputs."""
-        return self.propose_many({rid: num}).get(rid, [])
-
     def propose_many(self, wanted: dict[str, int]) -> dict[str, list[int]]:
-        """propose() for several requests at once: each further draft depth is one block step
-        over all of them (attention per request, on its own KV) and one head call."""
+        """Up to wanted[rid] drafts per request: the tracked first draft, then more from the
+        block's own outputs; each further draft depth is one block step over all the requests
+        (attention per request, on its own KV) and one head call."""
         tracks = {rid: self._tracks[rid] for rid, num in wanted.items()
                   if num > 0 and rid in self._tracks and self._tracks[rid].draft is not None}
         firsts = {rid: (t.draft, t.hidden, t.position) for rid, t in tracks.items()}

@@ -135,8 +135,7 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
     def _propose(self, rid: str, num: int) -> list[int]:
-        if self.mtp is not None:
-            return self.mtp.propose(rid, num)
+        """n-gram drafts (MTP drafts every chunk at once: _append_drafts)."""
         cfg = self.config
         return propose_ngram(self.engine.scheduler.get(rid).all_ids, num, cfg.prompt_lookup_min,
                              cfg.prompt_lookup_max)
