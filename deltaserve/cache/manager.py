@@ -14,6 +14,8 @@ import torch
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.cache.prefix import PrefixCache
 
+PREFIX_SNAPSHOTS = ("sparse", "grid")  # CacheConfig.prefix_snapshots: cache/prefix.py
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
@@ -33,9 +35,9 @@ class CacheConfig:
                 f"prefix_granularity must be a multiple of 64 (the GDN scan chunk) and of "
                 f"block_len={self.block_len}, got {self.prefix_granularity}"
             )
-        if self.prefix_snapshots not in ("sparse", "grid"):
-            raise ValueError(f"prefix_snapshots must be 'sparse' or 'grid', got "
-                             f"{self.prefix_snapshots!r}")
+        if self.prefix_snapshots not in PREFIX_SNAPSHOTS:
+            raise ValueError(f"prefix_snapshots must be one of {', '.join(PREFIX_SNAPSHOTS)}, "
+                             f"got {self.prefix_snapshots!r}")
 
 
 @dataclass(slots=True)

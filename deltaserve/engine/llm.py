@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from deltaserve.cache.manager import PREFIX_SNAPSHOTS
 from deltaserve.checkpoint.hub import resolve_model_dir
 from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.reader import read_json
@@ -104,9 +105,9 @@ class LLM:
         self.images = load_image_prompts(self, image_limits or ImageLimits()) if (
             self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
         self.generation_config = self._generation_config()
-        if prefix_snapshots not in ("sparse", "grid"):
-            raise RequestError(f"prefix_snapshots must be 'sparse' or 'grid', got "
-                               f"{prefix_snapshots!r}")
+        if prefix_snapshots not in PREFIX_SNAPSHOTS:  # (before the engine, which is built lazily)
+            raise RequestError(f"prefix_snapshots must be one of {', '.join(PREFIX_SNAPSHOTS)}, "
+                               f"got {prefix_snapshots!r}")
         if kv_cache_dtype not in KV_DTYPES:
             raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
                                f"{kv_cache_dtype!r}")
@@ -313,16 +314,21 @@ def load_image_prompts(llm: LLM, limits: ImageLimits):
 DEFAULT_BATCHED_TOKENS = {False: 2048, True: 8192}  # LLM(max_num_batched_tokens=None): CPU, CUDA
 
 
-def _default_batched_tokens(device: torch.device, plan_for) -> int:
-    """8192 on CUDA where its scratch leaves the KV cache that 2048 leaves, else 2048 (a longer
-    context beats a faster prefill of long prompts; cache/memory.plan cuts blocks to fit)."""
+def _default_batched_tokens(device: torch.device, plan_for, ranks_agree: bool = True
+                            ) -> tuple[int, tuple]:
+    """(tokens, plan_for(tokens)): 8192 on CUDA where its scratch leaves the KV cache that 2048
+    leaves, else 2048 (a longer context beats a faster prefill of long prompts; cache/memory.plan
+    cuts blocks to fit). ranks_agree=False (TP, PP): no fallback, which one rank's free memory
+    would decide alone."""
     small, large = DEFAULT_BATCHED_TOKENS[False], DEFAULT_BATCHED_TOKENS[device.type == "cuda"]
-    if large == small:
-        return small
+    if large == small or not ranks_agree:
+        return large, plan_for(large)
     try:
-        return large if plan_for(large)[0] >= plan_for(small)[0] else small
+        planned = plan_for(large)
     except CapacityError:
-        return small
+        return small, plan_for(small)
+    fallback = plan_for(small)
+    return (large, planned) if planned[0] >= fallback[0] else (small, fallback)
 
 
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -348,11 +354,11 @@ def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int | None
                     else graph_scratch_bytes(llm.model, batched_tokens, 64))
 
     stage = getattr(llm.model, "pp", None)
-    if max_num_batched_tokens is None:  # ranks must agree: no fallback from one rank's memory
-        max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[llm.model.device.type == "cuda"] if (
-            stage is not None or llm.tp is not None) else _default_batched_tokens(
-            llm.model.device, plan_for)
-    num_blocks, report = plan_for(max_num_batched_tokens)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens, (num_blocks, report) = _default_batched_tokens(
+            llm.model.device, plan_for, ranks_agree=stage is None and llm.tp is None)
+    else:
+        num_blocks, report = plan_for(max_num_batched_tokens)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)
     cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype,

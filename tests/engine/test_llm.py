@@ -101,20 +101,23 @@ def test_stream_decoder_never_splits_utf8(tiny_llm) -> None:
 
 def test_default_batched_tokens_fall_back_where_8192_would_cut_the_kv_cache() -> None:
     """LLM(max_num_batched_tokens=None): 8192 on CUDA while its scratch leaves the KV blocks 2048
-    leaves; 2048 where it would cut them or not fit at all; 2048 on CPU."""
+    leaves; 2048 where it would cut them or not fit at all (8192 under TP/PP, where one rank's
+    memory must not decide); 2048 on CPU. The chosen budget's plan comes back with it."""
     import torch
 
     from deltaserve.engine.llm import _default_batched_tokens
     from deltaserve.errors import CapacityError
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _default_batched_tokens(cuda, lambda t: (100, None)) == 8192
-    assert _default_batched_tokens(cuda, lambda t: (100 if t == 2048 else 90, None)) == 2048
+    assert _default_batched_tokens(cuda, lambda t: (100, None)) == (8192, (100, None))
+    shorter = lambda t: (100 if t == 2048 else 90, None)  # noqa: E731
+    assert _default_batched_tokens(cuda, shorter) == (2048, (100, None))
+    assert _default_batched_tokens(cuda, shorter, ranks_agree=False)[0] == 8192  # TP, PP
 
     def refuses_8192(t: int):
         if t == 8192:
             raise CapacityError("too big")
         return 100, None
 
-    assert _default_batched_tokens(cuda, refuses_8192) == 2048
-    assert _default_batched_tokens(cpu, refuses_8192) == 2048
+    assert _default_batched_tokens(cuda, refuses_8192)[0] == 2048
+    assert _default_batched_tokens(cpu, refuses_8192)[0] == 2048
