@@ -88,10 +88,10 @@ def long_graphs_run(model, block_len: int) -> bool:
         return False
     if model.device.type != "cuda" or not cfg.linear_num_value_heads:
         return True
-    from deltaserve.ops.gdn import takes_fla_stages
+    from deltaserve.ops.gdn import takes_fla_stages_at
 
-    probe = torch.empty(1, LONG_BUCKETS[0], 1, dtype=model.act_dtype, device=model.device)
-    return takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return takes_fla_stages_at(LONG_BUCKETS[0], model.act_dtype, model.device,
+                               cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
 def usable(model) -> bool:

@@ -183,13 +183,13 @@ def _tune_prefill_scan(model, max_prefill_chunk: int) -> None:
     """fla's stages (the GDN scan of chunks over SCAN_MAX_TOKENS) picked their launch configs at a
     prefill length: ops/fla_scan.tune, once per process, before the first request."""
     from deltaserve.ops import fla_scan
-    from deltaserve.ops.gdn import takes_fla_stages
+    from deltaserve.ops.gdn import takes_fla_stages_at
 
     cfg = model.cfg
     if not cfg.linear_num_value_heads or model.device.type != "cuda" or fla_scan.tuned is not None:
         return
-    probe = torch.empty(1, max_prefill_chunk, 1, dtype=model.act_dtype, device=model.device)
-    if takes_fla_stages(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+    if takes_fla_stages_at(max_prefill_chunk, model.act_dtype, model.device,
+                           cfg.linear_key_head_dim, cfg.linear_value_head_dim):
         fla_scan.tuned = max_prefill_chunk
         fla_scan.tune(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim, max_prefill_chunk,

@@ -69,11 +69,8 @@ class GatedAttention(nn.Module):
         batch.kv.write(layer, batch.kv_blocks, batch.kv_rows, k[0].transpose(0, 1), v[0])
         out = q.new_empty(1, self.num_heads, num_tokens, self.head_dim)
         scale = self.head_dim**-0.5
-        if batch.graph_chunk is not None and batch.graph_chunk.fresh:  # as in _forward_fused
-            # (no decode rows, no prefill chunks: straight to the gate below)
-            k_seq, v_seq = (t.to(q.dtype) for t in batch.kv.read(layer, batch.kv_blocks,
-                                                                 batch.kv_rows))
-            out = causal_attention(q, k_seq, v_seq, scale)
+        if _fresh_graph_chunk(batch):  # no decode rows, no prefill chunks: to the gate below
+            out = _fresh_chunk_attention(q, batch, layer, scale)
         rows = batch.attend_rows() if batch.decode_tables is not None else None
         gated = None  # CPU: the native step's kernel (rows gathered only where it can run)
         if rows is not None and q.device.type == "cpu":
@@ -113,12 +110,8 @@ class GatedAttention(nn.Module):
                             self.q_norm.eps)  # [T,HQ,D]
         out = proj.new_empty(num_tokens, self.num_heads * dim)
         scale = dim**-0.5
-        if batch.graph_chunk is not None and batch.graph_chunk.fresh:
-            # a padded chunk at position 0: its rows' K/V as the pool holds them (padding rows
-            # read the spare block's row they wrote), causal: no real row sees a padding row
-            k_seq, v_seq = (t.to(q.dtype) for t in batch.kv.read(layer, batch.kv_blocks,
-                                                                 batch.kv_rows))
-            o = causal_attention(q.transpose(0, 1)[None], k_seq, v_seq, scale)[0]
+        if _fresh_graph_chunk(batch):
+            o = _fresh_chunk_attention(q.transpose(0, 1)[None], batch, layer, scale)[0]
             sigmoid_gate_cuda(o, proj, out)
             return self.o_proj(out[None])
         if batch.decode_tables is not None:
@@ -159,3 +152,16 @@ def _rotary_batch(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tens
         if triton_rope.available():
             return triton_rope.apply_rotary_cuda(q, cos, sin), triton_rope.apply_rotary_cuda(k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _fresh_graph_chunk(batch: StepBatch) -> bool:
+    return batch.graph_chunk is not None and batch.graph_chunk.fresh
+
+
+def _fresh_chunk_attention(q: torch.Tensor, batch: StepBatch, layer: int, scale: float
+                           ) -> torch.Tensor:
+    """q [1,HQ,T,D] of a padded graph chunk at position 0 over its own rows' K/V as the pool holds
+    them (padding rows read the spare block's row they wrote), causal: no real row sees a padding
+    row. Returns [1,HQ,T,D]."""
+    k_seq, v_seq = (t.to(q.dtype) for t in batch.kv.read(layer, batch.kv_blocks, batch.kv_rows))
+    return causal_attention(q, k_seq, v_seq, scale)

@@ -193,6 +193,14 @@ def takes_fla_stages(x: torch.Tensor, k_dim: int, v_dim: int) -> bool:
     return stages_available()
 
 
+def takes_fla_stages_at(num_tokens: int, dtype: torch.dtype, device, k_dim: int, v_dim: int
+                        ) -> bool:
+    """takes_fla_stages for a chunk of num_tokens rows of dtype on device (asked at start-up,
+    before any chunk exists)."""
+    probe = torch.empty(1, num_tokens, 1, dtype=dtype, device=device)
+    return takes_fla_stages(probe, k_dim, v_dim)
+
+
 def gdn_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None, qk_normed: bool = False,
