@@ -20,9 +20,10 @@ ENCODER_VERSIONS = {"int4": 2}
 def _fingerprint(model_dir: Path, fmt: str) -> str:
     """Folder, format, encoder version and every weight file's name, size and mtime: a changed
     checkpoint (or encoder) gets a fresh copy instead of a stale one."""
-    version = ENCODER_VERSIONS.get(fmt)
-    h = hashlib.sha256(f"{model_dir.resolve()}|{fmt}{'' if version is None else f'|{version}'}"
-                       .encode())
+    key = f"{model_dir.resolve()}|{fmt}"
+    if fmt in ENCODER_VERSIONS:  # (formats whose encoder never changed keep their old copies)
+        key += f"|{ENCODER_VERSIONS[fmt]}"
+    h = hashlib.sha256(key.encode())
     for f in sorted(model_dir.glob("*.safetensors")):
         st = f.stat()
         h.update(f"|{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -83,16 +83,7 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         bits = (g >= 0).reshape(rows, cols)
         return {"weight": _pack_bits(bits), "scales": scale}
     levels = (1 << s.bits) - 1
-    imp = None
-    if importance is not None:
-        if importance.shape != (cols,):
-            raise ValueError(f"importance has shape {list(importance.shape)}; the weight has "
-                             f"{cols} inputs")
-        imp = importance.float().nan_to_num(0.0, 0.0, 0.0).clamp_min(0)
-        imp = imp.reshape(1, cols // s.group_size, s.group_size)
-        mean = imp.mean(-1, keepdim=True)  # per group: the fit sees relative weights only
-        usable = (mean > 0) & torch.isfinite(mean)
-        imp = torch.where(usable, imp / torch.where(usable, mean, 1.0), 1.0) + 1e-3  # none is 0
+    imp = None if importance is None else _group_weights(importance, cols, s.group_size)
     codes, scales, biases = [], [], []
     for part in g.split(AFFINE_ROWS_PER_PASS):  # the search's temporaries stay a few 100 MB
         scale, bias = affine_fit(part, levels, scale_dtype, imp) if search else _minmax(
@@ -112,8 +103,23 @@ AFFINE_STRETCHES = (-1.0, -0.5, 0.0, 0.5, 1.0)
 AFFINE_REFITS = 2  # then: the best pair's nearest codes, refit by least squares, kept if better
 
 
-def _minmax(g: torch.Tensor, levels: int, scale_dtype: torch.dtype):
-    lo, hi = g.amin(-1), g.amax(-1)
+def _group_weights(importance: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
+    """importance [K] -> [1, G, S] relative to each group's mean (the fit sees relative weights
+    only), at least 1e-3; groups without a usable mean (zeros, NaN) weigh every column alike."""
+    if importance.shape != (cols,):
+        raise ValueError(f"importance has shape {list(importance.shape)}; the weight has "
+                         f"{cols} inputs")
+    imp = importance.float().nan_to_num(0.0, 0.0, 0.0).clamp_min(0)
+    imp = imp.reshape(1, cols // group_size, group_size)
+    mean = imp.mean(-1, keepdim=True)
+    usable = (mean > 0) & torch.isfinite(mean)
+    return torch.where(usable, imp / torch.where(usable, mean, 1.0), 1.0) + 1e-3
+
+
+def _minmax(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, lo=None, hi=None):
+    """MLX's pair: scale (max - min) / levels, bias min (lo, hi [R, G]: the group's, if known)."""
+    lo = g.amin(-1) if lo is None else lo
+    hi = g.amax(-1) if hi is None else hi
     return ((hi - lo) / levels).clamp_min(1e-12).to(scale_dtype), lo.to(scale_dtype)
 
 
@@ -151,14 +157,14 @@ def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, imp=None)
     the least-squares fits of the codes of a few stretched ranges (AFFINE_STRETCHES, then
     AFFINE_REFITS), the one whose stored values give the least squared error over its group
     (each column's weighted by imp [1, G, S] where given)."""
-    best_s, best_b = _minmax(g, levels, scale_dtype)
+    lo, hi = g.amin(-1), g.amax(-1)
+    best_s, best_b = _minmax(g, levels, scale_dtype, lo, hi)
     best_err = _affine_err(g, best_s.float(), best_b.float(), levels, imp)
-    lo = g.amin(-1, keepdim=True)
-    span = (g.amax(-1) - lo.squeeze(-1)).clamp_min(1e-12)
+    span = (hi - lo).clamp_min(1e-12)
     for step in range(len(AFFINE_STRETCHES) + AFFINE_REFITS):
         if step < len(AFFINE_STRETCHES):
             per_unit = (levels + AFFINE_STRETCHES[step]) / span
-            q = ((g - lo) * per_unit.unsqueeze(-1)).round().clamp(0, levels)
+            q = ((g - lo.unsqueeze(-1)) * per_unit.unsqueeze(-1)).round().clamp(0, levels)
         else:
             q = _affine_codes(g, best_s.float(), best_b.float(), levels)
         scale, bias, usable = _least_squares(g, q, scale_dtype, imp)
