@@ -20,6 +20,8 @@
 #   bash scripts/gpu/session.sh q1      # the q1 GEMV: tests, a quick launch sweep, q1 decode
 #   bash scripts/gpu/session.sh capture # issue 6 experiment: a long prefill chunk eager vs replayed
 #                                       # from a CUDA graph (prefill_capture.py); q1 decode again
+#   bash scripts/gpu/session.sh prefetch # the quantized GEMV's L2 prefetch: tests, chain sweep
+#   bash scripts/gpu/session.sh decode  # decode tok/s, the GEMV's L2 prefetch off / on
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -192,6 +194,22 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
         --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
         | grep -E "^(decode|roofline)" | cut -c1-200
+    ;;
+prefetch)  # issue 4: the quantized GEMV's L2 prefetch and byte-permute conversions: parity tests,
+    # then the model chain and per-shape chains with the sweep (qgemv_chain.py)
+    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
+        tests/ops/test_triton_qgemv_pdl.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | grep -E "passed|failed|FAILED|Error" | tail -12
+    timeout "${CHAIN_S:-380}" python3 scripts/gpu/qgemv_chain.py --sweep --jobs 14 \
+        --out "$OUT/qgemv-chain.json" 2>&1 | grep -v -i warn | grep -E "^(==|  )|copy_gbs|compiled" \
+        | cut -c1-400 | tail -60
+    ;;
+decode)  # issue 4: decode tok/s with the GEMV's L2 prefetch off / on (DELTASERVE_GEMV_PREFETCH)
+    for pf in 0 ${PF_MODES:-1}; do
+        DELTASERVE_GEMV_PREFETCH=$pf python3 -m deltaserve bench --model /tmp/q08 --device cuda \
+            --decode-tokens 128 --formats "${FORMATS:-int8,int4}" --prefill-lens "" --peer none \
+            --out "$OUT/bench-prefetch$pf.json" 2>&1 | grep -E "^(decode|roofline)" | cut -c1-200
+    done
     ;;
 why)  # issue 6: what stops the capture (first sync inside forward_batch), cProfile of generate
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
