@@ -15,16 +15,6 @@ def _flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _choice(name: str, choices: tuple[int, ...], default: int) -> int:
-    """An integer knob from a fixed set; anything else is a clear error, not a silent default."""
-    value = (os.environ.get(name) or "").strip()
-    if not value:
-        return default
-    if value not in {str(c) for c in choices}:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(str, choices))}")
-    return int(value)
-
-
 @dataclass(frozen=True, slots=True)
 class Env:
     cache_dir: Path  # DELTASERVE_CACHE_DIR: default model, built tokenizer files
@@ -53,10 +43,6 @@ class Env:
     # DELTASERVE_PDL=0: Triton kernels launch without programmatic dependent launch (which they
     # use on sm_90+ GPUs: ops/backend.pdl_enabled)
     pdl: bool
-    # DELTASERVE_GEMV_PREFETCH=1|2: the engine's quantized decode GEMVs first ask L2 for their whole
-    # matrix (1 bulk TMA prefetch, sm_90+; 2 one prefetch per 128-byte line; default 0 off:
-    # ops/triton_qgemv._prefetch_l2)
-    gemv_prefetch: int
     # DELTASERVE_CONV_QKV=0: a long 16-bit GPU prefill's conv writes q|k|v as one tensor, which
     # fla's l2norm then copies and normalises, instead of contiguous normalised q, k and v
     # (ops/triton_conv1d.causal_conv1d_qkv_cuda)
@@ -97,7 +83,6 @@ class Env:
             amx=_flag("DELTASERVE_AMX", default=True),
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),
             pdl=_flag("DELTASERVE_PDL", default=True),
-            gemv_prefetch=_choice("DELTASERVE_GEMV_PREFETCH", (0, 1, 2), default=0),
             conv_qkv=_flag("DELTASERVE_CONV_QKV", default=True),
             prefill_graph_snapshots=_flag("DELTASERVE_PREFILL_GRAPH_SNAPSHOTS"),
             split_attention=_flag("DELTASERVE_SPLIT_ATTENTION", default=True),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.env import env
 from deltaserve.ops import gemv_prologue
 from deltaserve.ops.backend import pdl_enabled, pdl_launch, pdl_supported, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
@@ -33,27 +32,6 @@ from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (ca
 if triton is not None:
     from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait
     from deltaserve.ops.gemv_prologue import rstd_of, x_at
-
-    @triton.jit
-    def _prefetch_l2(base, num_bytes, part, num_parts, LANES: tl.constexpr, PF: tl.constexpr):
-        """Asks L2 for part `part` of `num_parts` equal parts of num_bytes bytes from base (an int8
-        pointer, 16-byte aligned), one piece per lane: PF 1 one cp.async.bulk.prefetch per lane
-        (TMA, sm_90+), 2 one prefetch.global.L2 per 128-byte line. Nothing waits for it."""
-        per_part = tl.cdiv(tl.cdiv(num_bytes, num_parts), 16 * LANES) * 16 * LANES
-        piece = per_part // LANES
-        start = part.to(tl.int64) * per_part + tl.arange(0, LANES).to(tl.int64) * piece
-        size = (tl.minimum(tl.maximum(num_bytes - start, 0), piece) // 16 * 16).to(tl.int32)
-        if PF == 1:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base + start, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            for off in range(0, piece, 128):
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p prefetch.global.L2 [$1]; "
-                    "mov.u32 $0, 0; }", "=r,l,r,r", [base + start + off, off + tl.zeros_like(size),
-                                                     size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _nibbles_magic(q):
@@ -162,47 +140,32 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gemv_kernel(W, S, B, X, Y, YI, N, K, R, NW, TOTAL, eps, offset, PF_PARTS, G: tl.constexpr,
+    def _gemv_kernel(W, S, B, X, Y, YI, N, K, R, NW, TOTAL, eps, offset, G: tl.constexpr,
                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                     PF: tl.constexpr = 0, PF_LANES: tl.constexpr = 128):
+                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr):
         """PDL (programmatic dependent launch, launched with launch_pdl): 0 off; 1 gdc_wait first
         (the launch overlaps the predecessor's tail); 2 the first K-step's weights are loaded
         before the wait, so this kernel's DRAM round trip overlaps the predecessor; 3 as 2, and
-        the dependents are released before this kernel's own wait (a deeper pipeline); 4 release,
-        then wait, nothing loaded before it (for PF: weights come from L2, few registers held
-        while waiting). 1 and 2 release the next kernel right after the wait: at most two GEMVs
-        overlap.
-        PF (L2 prefetch, _prefetch_l2): programs 0 .. PF_PARTS-1 first ask L2 for one part each of
-        the whole matrix (codes, scales, biases), so its DRAM stream starts with the first wave,
-        before any wait, and later programs' loads hit L2."""
+        the dependents are released before this kernel's own wait (a deeper pipeline). 1 and 2
+        release the next kernel right after the wait: at most two GEMVs overlap."""
         pid = tl.program_id(0)
-        if PF != 0:
-            if pid < PF_PARTS:
-                num_groups_all = (N * (K // G)).to(tl.int64)
-                sb = num_groups_all * S.dtype.element_ty.primitive_bitwidth // 8
-                _prefetch_l2(W.to(tl.pointer_type(tl.int8)), N.to(tl.int64) * K * BITS // 8, pid,
-                             PF_PARTS, PF_LANES, PF)
-                _prefetch_l2(S.to(tl.pointer_type(tl.int8)), sb, pid, PF_PARTS, PF_LANES, PF)
-                if HAS_BIAS:
-                    _prefetch_l2(B.to(tl.pointer_type(tl.int8)), sb, pid, PF_PARTS, PF_LANES, PF)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         num_groups = K // G
         acc = tl.zeros([BLOCK_N, BLOCK_K // G], dtype=tl.float32)
         k_start = 0
-        if PDL >= 3:
+        if PDL == 3:
             gdc_launch_dependents()
-        if PDL == 2 or PDL == 3:
+        if PDL >= 2:
             q0, s0, b0 = _weights(W, S, B, rows, row_ok, 0, K, num_groups, G, BITS, HAS_BIAS,
                                   BLOCK_K)
         if PDL != 0:
             gdc_wait()  # the predecessor is complete and its writes (our x) are visible
-            if PDL < 3:
+            if PDL != 3:
                 gdc_launch_dependents()
         rstd = rstd_of(X, R, K, eps, TOTAL, pid, XMODE, NORM_BLOCK)
-        if PDL == 2 or PDL == 3:
+        if PDL >= 2:
             acc = _step(acc, q0, s0, b0, X, R, NW, rstd, offset, 0, K, G, BITS, HAS_BIAS, BLOCK_N,
                         BLOCK_K, MAGIC, XMODE)
             k_start = BLOCK_K
@@ -286,7 +249,7 @@ def config_for(bits: int, n: int, k: int, table: dict | None = None) -> Config:
 
 
 # pdl keyword -> the kernel's PDL constexpr. True is "tile": the mode that overlaps the most.
-PDL_MODES = {"wait": 1, "block": 2, "tile": 2, "early": 3, "deep": 4}
+PDL_MODES = {"wait": 1, "block": 2, "tile": 2, "early": 3}
 _TILE_BYTES_PER_THREAD = 128  # a whole [BLOCK_N, K] tile held in registers: at most 32 per thread
 
 
@@ -304,8 +267,7 @@ def whole_k_config(config: Config, bits: int, k: int) -> Config:
 
 def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
                pdl: bool | str | None = None, out: torch.Tensor | None = None,
-               prologue: gemv_prologue.Prologue | None = None,
-               prefetch: int | None = None) -> torch.Tensor:
+               prologue: gemv_prologue.Prologue | None = None) -> torch.Tensor:
     """x [1, K] on CUDA (fp32 or 16-bit; the math is fp32), packed int8, 4-bit affine or q1 weights
     -> [1, N] in x's dtype (no cast kernels around the GEMV), into `out` when given. prologue
     (ops/gemv_prologue): the GEMV reads rms_norm(residual + x) or silu(gate) * up of x instead.
@@ -315,15 +277,9 @@ def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
     first K-step before the wait); "wait" (wait first); "early" ("tile", and the next kernel is
     released before this one's wait). Ignored where pdl_supported() is False. Without a config,
     True / "tile" take TUNED_PDL's launch shapes. None: "tile" where the engine's decode kernels
-    launch with PDL (ops/backend.pdl_enabled), else False.
-
-    prefetch (the kernel's PF: 0 off, 1 bulk TMA (sm_90+), 2 per line): the first programs ask L2
-    for the whole matrix before anything else. None: DELTASERVE_GEMV_PREFETCH where no config is
-    given (the engine), else off."""
+    launch with PDL (ops/backend.pdl_enabled), else False."""
     if pdl is None:  # an explicit config runs as given (tests, sweeps); the engine passes none
         pdl = "tile" if pdl_enabled() and config is None else False
-    if prefetch is None:
-        prefetch = env().gemv_prefetch if config is None else 0
     w = _words(p, scheme)
     n, k = w.shape[0], gemv_prologue.gemv_cols(x, prologue)
     if p["scales"].shape[-1] * scheme.group_size != k:
@@ -333,7 +289,7 @@ def qgemv_cuda(x: torch.Tensor, p: dict, scheme, config: Config | None = None,
     table = TUNED_PDL if pdl in (True, "tile") else None
     config = config or config_for(scheme.bits, n, k, table)
     y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x, p, scheme, w, y, y, config, False, pdl, prologue, prefetch or 0)
+    _launch(x, p, scheme, w, y, y, config, False, pdl, prologue)
     return y
 
 
@@ -360,7 +316,7 @@ def _words(p: dict, scheme) -> torch.Tensor:
 
 def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tensor,
             config: Config, argmax: bool, pdl: bool | str = False,
-            prologue: gemv_prologue.Prologue | None = None, prefetch: int = 0):
+            prologue: gemv_prologue.Prologue | None = None):
     """Launches the kernel; returns Triton's compiled-kernel handle (its .asm for inspection)."""
     mode = PDL_MODES["tile" if pdl is True else pdl] if pdl and pdl_supported() else 0
     n, k = w.shape[0], gemv_prologue.gemv_cols(x, prologue)
@@ -370,29 +326,8 @@ def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tens
     block_n, block_k, warps, stages, magic = config
     block_k = max(block_k, scheme.group_size)
     biases = p.get("biases", p["scales"])
-    programs = triton.cdiv(n, block_n)
-    prefetch = prefetch if prefetch and _prefetchable(prefetch, w, p, x.device) else 0
-    return _gemv_kernel[(programs,)](
+    return _gemv_kernel[(triton.cdiv(n, block_n),)](
         w, p["scales"], biases, x, y, yi, n, k, **gemv_prologue.kernel_args(x, prologue),
-        PF_PARTS=min(programs, _num_sms(x.device)), PF=prefetch, PF_LANES=32 * warps,
         G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
         MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages, **pdl_launch(bool(mode)))
-
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: asked at every launch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
-def _prefetchable(prefetch: int, w: torch.Tensor, p: dict, device: torch.device) -> bool:
-    """The L2 prefetch needs 16-byte aligned arrays, and the bulk form (1) sm_90."""
-    if prefetch == 1 and torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 for t in (w, p["scales"], p.get("biases", w)))

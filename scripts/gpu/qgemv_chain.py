@@ -24,12 +24,9 @@ What it does, per format (int8; int4 = 4-bit affine, group 64):
 Variants: nopdl (the tuned configs), nopdl_tile (PDL off, the tile mode's whole-K BLOCK_K: the
 config's own effect), wait (PDL, gdc_wait first), block (first K-step of weights before the wait),
 tile (the whole [BLOCK_N, K] tile before the wait where it fits), early (tile, the next kernel
-released before this one's wait), deep (the next kernel released, then the wait, nothing loaded
-before it); _pf1 / _pf2: the first programs ask L2 for the whole matrix first (bulk / per-line
-prefetch). --sweep: per shape and per SWEEP_MODES mode (tile + prefetch; deep + prefetch),
-SWEEP's launch shapes (and code conversions) in that shape's chain; the best is that mode's
-variant there and, per shape, in the model chain (the per-shape chains run first for that). A
-failing variant is recorded and the others go on.
+released before this one's wait). --sweep: per shape, tile mode over SWEEP's launch shapes in
+that shape's chain; the best is variant "tuned" there and, per shape, in the model chain (the
+per-shape chains run first for that). A failing variant is recorded and the others go on.
 """
 
 import argparse
@@ -74,11 +71,8 @@ ATTN = [("qkv", 5120, 1024), ("o_proj", 1024, 2048), ("gate_up", 7168, 1024),
 LAYERS = 24
 FORMATS_RUN = ("int8", "int4")
 # (BLOCK_N, num_warps) tried per shape in tile-mode PDL (--sweep)
-SWEEP = [(2, 2), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]
-VARIANTS = ["nopdl", "nopdl_tile", "wait", "block", "tile", "early", "nopdl_pf1", "wait_pf1",
-            "tile_pf1", "early_pf1", "deep_pf1", "tile_pf2", "deep_pf2"]
-# tuned modes of --sweep: name -> the PDL mode its configs run under (with the name's _pfN)
-SWEEP_MODES = {"tuned_pf1": "tile", "tuneddeep_pf1": "deep"}
+SWEEP = [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]
+VARIANTS = ["nopdl", "nopdl_tile", "wait", "block", "tile", "early"]
 ODD_SHAPES = [(37, 384), (1000, 1344), (333, 2112)]  # rows / columns no multiple of a block
 TOL = 1e-5
 
@@ -90,23 +84,20 @@ def layer_steps() -> list[tuple[str, int, int]]:
 
 
 def call_args(variant: str, bits: int, n: int, k: int, tuned: dict | None = None):
-    """(config, pdl keyword, prefetch) for qgemv_cuda. A variant is MODE or MODE_pfN (the L2
-    prefetch N: 1 bulk, 2 per line); a SWEEP_MODES name takes the sweep's config for (n, k)."""
-    mode, _, pf = variant.partition("_pf")
-    pf = int(pf) if pf else 0
-    if variant in SWEEP_MODES:
-        return tuned[variant][(n, k)], SWEEP_MODES[variant], pf
+    """(config, pdl keyword) for qgemv_cuda; "tuned" is tile mode with the sweep's config."""
+    if variant == "tuned":
+        return tuned[(n, k)], "tile"
     cfg = tq.config_for(bits, n, k)
-    if mode == "nopdl":
-        return cfg, False, pf
-    if mode == "nopdl_tile":
-        return tq.whole_k_config(cfg, bits, k), False, pf
-    return cfg, mode, pf
+    if variant == "nopdl":
+        return cfg, False
+    if variant == "nopdl_tile":
+        return tq.whole_k_config(cfg, bits, k), False
+    return cfg, variant
 
 
 def effective_config(variant: str, bits: int, n: int, k: int, tuned: dict | None = None):
     """The launch config the kernel gets (tile / early widen BLOCK_K to all of K where it fits)."""
-    cfg, pdl, _ = call_args(variant, bits, n, k, tuned)
+    cfg, pdl = call_args(variant, bits, n, k, tuned)
     return list(tq.whole_k_config(cfg, bits, k) if pdl in ("tile", "early") else cfg)
 
 
@@ -139,7 +130,7 @@ class Chain:
         width = max(max(n, k) for _, _, n, k in steps)
         self.bufs = torch.randn(len(steps) + 1, 1, width, device="cuda")
         self.bytes = sum(nbytes(p, k) for _, p, _, k in steps)
-        self.tuned: dict = {}  # SWEEP_MODES name -> {(N, K): config}
+        self.tuned: dict = {}  # (N, K) -> config for the "tuned" variant
 
     def launch(self, variant: str) -> None:
         """variant "V+OP": OP runs in place on each output before the next GEMV reads it, as a
@@ -147,10 +138,9 @@ class Chain:
         pdlop (a Triton kernel, launched plainly / with PDL and gdc_wait first)."""
         base, _, between = variant.partition("+")
         for i, (_, p, n, k) in enumerate(self.steps):
-            cfg, pdl, pf = call_args(base, self.scheme.bits, n, k, self.tuned)
+            cfg, pdl = call_args(base, self.scheme.bits, n, k, self.tuned)
             y = self.bufs[i + 1, :, :n]
-            tq.qgemv_cuda(self.bufs[i, :, :k], p, self.scheme, config=cfg, pdl=pdl, out=y,
-                          prefetch=pf)
+            tq.qgemv_cuda(self.bufs[i, :, :k], p, self.scheme, config=cfg, pdl=pdl, out=y)
             if between and i + 1 < len(self.steps):
                 in_place_op(y, between)
 
@@ -183,7 +173,7 @@ def time_chain(chain: Chain, variant: str, copy_gbs: float) -> dict:
 def run_variants(chain: Chain, copy_gbs: float, errors: list, where: str) -> dict:
     """Every variant (nopdl again last: its repeat is the noise estimate)."""
     res = {}
-    for variant in [*VARIANTS, *chain.tuned, "nopdl"]:
+    for variant in [*VARIANTS, *(["tuned"] if chain.tuned else []), "nopdl"]:
         key = variant if variant not in res else "nopdl_repeat"
         try:
             res[key] = time_chain(chain, variant, copy_gbs)
@@ -207,9 +197,9 @@ def check_fresh(fmt: str, errors: list) -> list[dict]:
         ref = qgemv_ref(x, p, s)
         for variant in VARIANTS:
             try:
-                cfg, pdl, pf = call_args(variant, s.bits, n, k)
+                cfg, pdl = call_args(variant, s.bits, n, k)
                 out = torch.full((1, n), float("nan"), device="cuda")
-                tq.qgemv_cuda(x, p, s, config=cfg, pdl=pdl, out=out, prefetch=pf)
+                tq.qgemv_cuda(x, p, s, config=cfg, pdl=pdl, out=out)
                 rows.append({"shape": [n, k], "variant": variant, "rel_err": rel(out, ref)})
             except Exception as exc:
                 errors.append({"where": f"check/{fmt}/{n}x{k}/{variant}", "error": repr(exc)[:400]})
@@ -220,15 +210,13 @@ def model_chain(fmt: str, copy_gbs: float, errors: list, tuned: dict) -> dict:
     steps = [(name, packed_gpu(fmt, n, k, seed=i), n, k)
              for i, (name, n, k) in enumerate(layer_steps())]
     chain = Chain(fmt, steps)
-    chain.tuned = {m: t for m, t in tuned.items() if all((n, k) in t for _, _, n, k in steps)}
+    chain.tuned = tuned if all((n, k) in tuned for _, _, n, k in steps) else {}
     out = {"gemvs": len(steps), "bytes": chain.bytes,
-           "tuned": {m: {f"{n}x{k}": list(c) for (n, k), c in t.items()}
-                     for m, t in chain.tuned.items()},
+           "tuned": {f"{n}x{k}": list(c) for (n, k), c in chain.tuned.items()},
            "variants": run_variants(chain, copy_gbs, errors, f"{fmt}/model")}
-    pdl = "tile"
+    pdl = "tuned" if chain.tuned else "tile"
     out["interleaved"] = {}  # a small kernel between GEMVs (bytes: the GEMVs' alone)
-    pf = [f"{m}+pdlop" for m in ("tuned_pf1", "tuneddeep_pf1") if m in chain.tuned]
-    for variant in ["nopdl+torch", f"{pdl}+torch", f"{pdl}+plainop", f"{pdl}+pdlop", *pf]:
+    for variant in ["nopdl+torch", f"{pdl}+torch", f"{pdl}+plainop", f"{pdl}+pdlop"]:
         r = guarded(errors, f"{fmt}/model/{variant}",
                     lambda v=variant: time_chain(chain, v, copy_gbs))
         if r:
@@ -262,23 +250,23 @@ def in_place_op(y: torch.Tensor, kind: str) -> None:
 
 def sweep_configs(bits: int) -> list[tuple]:
     """SWEEP's shapes, each with the format's usual code conversion and with byte permutes
-    (MAGIC 2)."""
+    (MAGIC 2: ops/triton_qgemv._bytes_magic / _nibbles_magic)."""
     return [(bn, 1024, w, 1, magic) for bn, w in SWEEP for magic in (1 if bits == 8 else 0, 2)]
 
 
-def sweep(chain: Chain, n: int, k: int, copy_gbs: float, errors: list, mode: str) -> list[dict]:
-    """SWEEP's configs on this shape's chain under the SWEEP_MODES `mode` (tile: BLOCK_K widened
-    to all of K where the tile fits): which launch shape overlaps best with its neighbours."""
+def sweep(chain: Chain, n: int, k: int, copy_gbs: float, errors: list) -> list[dict]:
+    """Tile-mode PDL over SWEEP's configs on this shape's chain (BLOCK_K widened to all of K
+    where the tile fits): which launch shape overlaps best with its neighbours."""
     rows = []
     for cfg in sweep_configs(chain.scheme.bits):
-        chain.tuned = {mode: {(n, k): cfg}}
+        chain.tuned = {(n, k): cfg}
         try:
-            r = time_chain(chain, mode, copy_gbs)
+            r = time_chain(chain, "tuned", copy_gbs)
             r.pop("final")
-            rows.append({"config": effective_config(mode, chain.scheme.bits, n, k,
+            rows.append({"config": effective_config("tuned", chain.scheme.bits, n, k,
                                                     chain.tuned), **r})
         except Exception as exc:
-            errors.append({"where": f"sweep/{mode}/{n}x{k}/{cfg}", "error": repr(exc)[:300]})
+            errors.append({"where": f"sweep/{n}x{k}/{cfg}", "error": repr(exc)[:300]})
     chain.tuned = {}
     return rows
 
@@ -297,13 +285,13 @@ def shape_chain(fmt: str, n: int, k: int, copy_gbs: float, errors: list, do_swee
            "isolated_old_way": {"us": old * 1e6, "gbs": old_gbs,
                                 "pct_of_copy": 100 * old_gbs / copy_gbs},
            "variants": run_variants(chain, copy_gbs, errors, f"{fmt}/{n}x{k}")}
-    for mode in SWEEP_MODES if do_sweep else []:
-        row.setdefault("sweep", {})[mode] = sweep(chain, n, k, copy_gbs, errors, mode)
-        ok = [r for r in row["sweep"][mode] if r["max_rel_err"] <= TOL]
+    if do_sweep:
+        row["sweep"] = sweep(chain, n, k, copy_gbs, errors)
+        ok = [r for r in row["sweep"] if r["max_rel_err"] <= TOL]
         if ok:
             best = min(ok, key=lambda r: r["chain_us"])
-            row["variants"][mode] = {kk: v for kk, v in best.items() if kk != "config"}
-            row["configs"][mode] = best["config"]
+            row["variants"]["tuned"] = {kk: v for kk, v in best.items() if kk != "config"}
+            row["configs"]["tuned"] = best["config"]
     return row
 
 
@@ -318,7 +306,7 @@ def shares(model: dict, shapes: list[dict]) -> dict:
         key = tuple(row["shape"])
         out[f"{key[0]}x{key[1]}"] = {"count": counts[key],
                                      "byte_share": counts[key] * row["bytes_one"] / model["bytes"]}
-    tuned = [m for m in SWEEP_MODES if all(m in r["variants"] for r in shapes)]
+    tuned = ["tuned"] if all("tuned" in r["variants"] for r in shapes) else []
     for variant in [*VARIANTS, *tuned]:
         est = {f"{r['shape'][0]}x{r['shape'][1]}": counts[tuple(r["shape"])]
                * r["variants"].get(variant, {}).get("us_per_gemv", float("nan")) for r in shapes}
@@ -337,9 +325,9 @@ def asm_facts(fmt: str) -> dict:
     p, x = packed_gpu(fmt, n, k, seed=3), torch.randn(1, k, device="cuda")
     w = p["weight"].view(torch.int32) if s.kind == "affine" else p["weight"]
     for variant in VARIANTS:
-        cfg, pdl, pf = call_args(variant, s.bits, n, k)
+        cfg, pdl = call_args(variant, s.bits, n, k)
         y = torch.empty(1, n, device="cuda")
-        kern = tq._launch(x, p, s, w, y, y, cfg, False, pdl, None, pf)
+        kern = tq._launch(x, p, s, w, y, y, cfg, False, pdl)
         lines = kern.asm["ptx"].splitlines()
         wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
         loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
@@ -400,10 +388,9 @@ def compile_one(job) -> str:
     fmt, variant, n, k, tuned = job
     try:
         s = FORMATS[fmt]
-        cfg, pdl, pf = call_args(variant, s.bits, n, k, tuned)
+        cfg, pdl = call_args(variant, s.bits, n, k, tuned)
         p, x = packed_gpu(fmt, n, k, seed=0), torch.randn(1, k, device="cuda")
-        tq.qgemv_cuda(x, p, s, config=cfg, pdl=pdl, out=torch.empty(1, n, device="cuda"),
-                      prefetch=pf)
+        tq.qgemv_cuda(x, p, s, config=cfg, pdl=pdl, out=torch.empty(1, n, device="cuda"))
         torch.cuda.synchronize()
         return "ok"
     except Exception as exc:
@@ -419,10 +406,9 @@ def warm_cache(jobs: int, with_sweep: bool) -> dict:
         bits = FORMATS[fmt].bits
         for n, k in sorted({(n, k) for _, n, k in GDN + ATTN}):
             cands = [(v, None) for v in VARIANTS]
-            cands += [(m, {m: {(n, k): c}}) for m in SWEEP_MODES for c in sweep_configs(bits)
-                      ] if with_sweep else []
+            cands += [("tuned", {(n, k): c}) for c in sweep_configs(bits)] if with_sweep else []
             for v, tuned in cands:
-                key = (fmt, *call_args(v, bits, n, k, tuned)[1:],
+                key = (fmt, call_args(v, bits, n, k, tuned)[1],
                        tuple(effective_config(v, bits, n, k, tuned)))
                 if key not in seen:
                     seen.add(key)
@@ -504,9 +490,8 @@ def run_format(fmt: str, record: dict, out_dir: Path, quick: bool, do_sweep: boo
             print(json.dumps({"fmt": fmt, **{kk: v for kk, v in row.items() if kk != "sweep"}}),
                   flush=True)
             save()
-    tuned = {m: {tuple(row["shape"]): tuple(row["configs"][m])
-                 for row in r["shapes"] if m in row["configs"]} for m in SWEEP_MODES}
-    tuned = {m: t for m, t in tuned.items() if t}
+    tuned = {tuple(row["shape"]): tuple(row["configs"]["tuned"])
+             for row in r["shapes"] if "tuned" in row["configs"]}
     model = guarded(errors, f"{fmt}/model", lambda: model_chain(fmt, copy_gbs, errors, tuned))
     if model:
         r["model"] = model
@@ -522,7 +507,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="model chains only (no per-shape chains)")
     ap.add_argument("--sweep", action="store_true",
-                    help="per shape, SWEEP_MODES over SWEEP's configs; the best is each mode's")
+                    help="per shape, tile-mode PDL over SWEEP's configs; the best is 'tuned'")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="a subset, comma-separated")
     args = ap.parse_args()
     VARIANTS[:] = [v for v in args.variants.split(",") if v]

@@ -20,8 +20,9 @@
 #   bash scripts/gpu/session.sh q1      # the q1 GEMV: tests, a quick launch sweep, q1 decode
 #   bash scripts/gpu/session.sh capture # issue 6 experiment: a long prefill chunk eager vs replayed
 #                                       # from a CUDA graph (prefill_capture.py); q1 decode again
-#   bash scripts/gpu/session.sh prefetch # the quantized GEMV's L2 prefetch: tests, chain sweep
-#   bash scripts/gpu/session.sh decode  # decode tok/s, the GEMV's L2 prefetch off / on
+#   bash scripts/gpu/session.sh magic   # the GEMV's byte-permute conversions: tests, chain sweep,
+#                                       # a grid barrier's cost (grid_barrier_probe.py), decode tok/s
+#   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -48,6 +49,11 @@ image_ttft() {  # issue 8: an image question's TTFT through serve, with the in-p
     ckpt minicpm-v-4.6 /tmp/mcv
     python3 scripts/gpu/vision_ttft.py --model /tmp/mcv --device cuda --breakdown \
         --out "$OUT/vision-ttft.json" 2>&1 | quiet "$1"
+}
+decode_bench() {  # decode tok/s, bf16 / int8 / int4, 128 tokens, into $1
+    python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 \
+        --formats "${FORMATS:-bf16,int8,int4}" --prefill-lens "" --peer none --out "$1" 2>&1 \
+        | grep -E "^(decode|roofline)" | cut -c1-200
 }
 prefill_rates() {  # the bf16 engine's prefill tok/s (medians, then the runs) of a bench record
     python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['engines']['deltaserve-bf16']; \
@@ -195,21 +201,19 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
         --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
         | grep -E "^(decode|roofline)" | cut -c1-200
     ;;
-prefetch)  # issue 4: the quantized GEMV's L2 prefetch and byte-permute conversions: parity tests,
-    # then the model chain and per-shape chains with the sweep (qgemv_chain.py)
+magic)  # issue 4: the quantized GEMV's byte-permute conversions (MAGIC 2): parity tests, then
+    # per-shape and model chains with the tile-mode sweep over launch shapes x conversions
     timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
         tests/ops/test_triton_qgemv_pdl.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
         | grep -E "passed|failed|FAILED|Error" | tail -12
-    timeout "${CHAIN_S:-380}" python3 scripts/gpu/qgemv_chain.py --sweep --jobs 14 \
-        --out "$OUT/qgemv-chain.json" 2>&1 | grep -v -i warn | grep -E "^(==|  )|copy_gbs|compiled" \
-        | cut -c1-400 | tail -60
+    timeout "${CHAIN_S:-300}" python3 scripts/gpu/qgemv_chain.py --sweep --jobs 14 \
+        --variants nopdl,tile,early --out "$OUT/qgemv-chain.json" 2>&1 | grep -v -i warn \
+        | grep -E "^(==|  )|copy_gbs|compiled" | cut -c1-400 | tail -40
+    timeout 60 python3 scripts/gpu/grid_barrier_probe.py --out "$OUT/grid-barrier.json" 2>&1 | tail -6
+    decode_bench "$OUT/bench-decode.json"
     ;;
-decode)  # issue 4: decode tok/s with the GEMV's L2 prefetch off / on (DELTASERVE_GEMV_PREFETCH)
-    for pf in 0 ${PF_MODES:-1}; do
-        DELTASERVE_GEMV_PREFETCH=$pf python3 -m deltaserve bench --model /tmp/q08 --device cuda \
-            --decode-tokens 128 --formats "${FORMATS:-int8,int4}" --prefill-lens "" --peer none \
-            --out "$OUT/bench-prefetch$pf.json" 2>&1 | grep -E "^(decode|roofline)" | cut -c1-200
-    done
+decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tables as committed)
+    decode_bench "$OUT/bench-decode.json"
     ;;
 why)  # issue 6: what stops the capture (first sync inside forward_batch), cProfile of generate
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
