@@ -12,7 +12,10 @@ w . x = s (2 sum(b x) - sum(x)) = -s * that sum: four integer / float ops per we
 The reference is ops/qgemv.qgemv_ref (dequantize, then F.linear). The launch configuration per
 shape comes from TUNED, written from scripts/gpu/qgemv_tune.py's H200 run (see that table).
 Measured there: int8 codes convert faster by the 2**23 mantissa trick (MAGIC) than by int-to-float;
-int4 codes do not (its bound is the integer shift/mask work, not the conversion).
+int4 codes do not (its bound is the integer shift/mask work, not the conversion). MAGIC 2 builds the
+same fp32 2**23 + code with one PTX byte permute (prmt) per code: for int8 it replaces an extract
+and an add, for int4 a shift and a mask per nibble (two masks and a shift per word remain); in the
+PDL chains it was 3% (int8) and 3-13% (int4) faster per shape, so TUNED_PDL takes it.
 
 PDL mode (qgemv_cuda(..., pdl=...), Hopper): a layer's 2-8 MB matrix streams in ~1 us, less than
 one launch plus the first DRAM round trip, so back-to-back GEMVs are launch/latency bound. Launched
@@ -221,21 +224,22 @@ def supports(scheme) -> bool:
     return (scheme.kind, scheme.bits) in (("int8", 8), ("affine", 4))
 
 
-# pdl=True / "tile": the best launch shape per Qwen3.5-0.8B shape in a chain of GEMVs of that
-# shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps), BLOCK_K widened to all of
-# K: `python scripts/gpu/qgemv_chain.py --sweep` on one H200, 2026-11-30 (the same winners in two
-# runs; docs/benchmarks/2026-11-30-h200-qgemv-pdl.json). Wider programs than TUNED: fewer
-# programs leave room on the SMs for the next GEMV's programs to prefetch. Comments: us per GEMV
-# in that chain, TUNED's config with the same PDL mode in brackets.
+# pdl=True / "tile": the best launch shape and code conversion per Qwen3.5-0.8B shape in a chain
+# of GEMVs of that shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps) x (MAGIC 1 or
+# 0, MAGIC 2), BLOCK_K widened to all of K: `python scripts/gpu/qgemv_chain.py --sweep` on one
+# H200, 2026-12-01 (docs/benchmarks/2026-12-01-h200-71ab24a-qgemv-chain-magic.json). Wider
+# programs than TUNED: fewer programs leave room on the SMs for the next GEMV's programs to
+# prefetch. Comments: us per GEMV in that chain; in brackets the entry it replaced (the
+# 2026-11-30 sweep's, without MAGIC 2), timed in the same run.
 TUNED_PDL: dict[tuple[int, int, int, int], Config] = {
-    (8, 1024, 4608, 6144): (8, 1024, 4, 1, 1),  # 5120 rows: 2.83 [2.84]
-    (8, 1024, 6656, 16384): (16, 1024, 4, 1, 1),  # 7168 / 8224: 3.34 / 3.88 [3.79 / 4.86]
-    (8, 2048, 0, 2048): (8, 2048, 4, 1, 1),  # 1024 rows: 1.95 [2.47]
-    (8, 3584, 0, 2048): (8, 4096, 8, 1, 1),  # 1024 rows: 2.49 [3.14]
-    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 0),  # 5120: 3.04 [3.19]
-    (4, 1024, 6656, 16384): (8, 1024, 2, 1, 0),  # 7168 / 8224: 4.14 / 4.35 [4.60 / 4.70]
-    (4, 2048, 0, 2048): (8, 2048, 8, 1, 0),  # 2.32 [2.47]
-    (4, 3584, 0, 2048): (8, 4096, 8, 1, 0),  # 3.39 [4.00]
+    (8, 1024, 4608, 6144): (16, 1024, 8, 1, 1),  # 5120 rows: 2.60 [2.92]
+    (8, 1024, 6656, 16384): (16, 1024, 4, 1, 2),  # 7168 / 8224: 3.23 / 3.80 [3.34 / 3.91]
+    (8, 2048, 0, 2048): (8, 2048, 4, 1, 2),  # 1024 rows: 1.87 [1.94 at (4, 2048, 4)]
+    (8, 3584, 0, 2048): (4, 4096, 4, 1, 2),  # 1024 rows: 2.44 [2.53 at (4, 4096, 4)]
+    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 2),  # 5120: 2.75 [3.05]
+    (4, 1024, 6656, 16384): (16, 1024, 4, 1, 2),  # 7168 / 8224: 3.60 / 3.80 [4.16 / 4.34]
+    (4, 2048, 0, 2048): (8, 2048, 8, 1, 2),  # 2.24 [2.31]
+    (4, 3584, 0, 2048): (8, 4096, 8, 1, 2),  # 2.99 [3.34]
 }
 
 
