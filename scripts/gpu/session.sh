@@ -23,6 +23,7 @@
 #   bash scripts/gpu/session.sh magic   # the GEMV's byte-permute conversions: tests, chain sweep,
 #                                       # a grid barrier's cost (grid_barrier_probe.py), decode tok/s
 #   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
+#   TEST_PATHS="tests/ops" bash scripts/gpu/session.sh suite  # gpu tests of some paths
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
 # check: every gpu-marked test (Triton kernels vs their torch references, CUDA graphs vs eager,
@@ -214,6 +215,12 @@ magic)  # issue 4: the quantized GEMV's byte-permute conversions (MAGIC 2): pari
     ;;
 decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tables as committed)
     decode_bench "$OUT/bench-decode.json"
+    ;;
+suite)  # gpu tests of $TEST_PATHS (default: all) under ${TESTS_S:-480} s, junit XML; decode first
+    # when DECODE=1 (a run cut by the limit writes no XML: split the paths over calls)
+    [ "${DECODE:-0}" = 1 ] && decode_bench "$OUT/bench-decode.json"
+    timeout "${TESTS_S:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -15
     ;;
 why)  # issue 6: what stops the capture (first sync inside forward_batch), cProfile of generate
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
