@@ -217,10 +217,12 @@ decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tab
     decode_bench "$OUT/bench-decode.json"
     ;;
 suite)  # gpu tests of $TEST_PATHS (default: all) under ${TESTS_S:-480} s, junit XML; decode first
-    # when DECODE=1 (a run cut by the limit writes no XML: split the paths over calls)
+    # when DECODE=1 (a run cut by the limit writes no XML; the -v log keeps what ran)
     [ "${DECODE:-0}" = 1 ] && decode_bench "$OUT/bench-decode.json"
-    timeout "${TESTS_S:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} \
-        --junitxml="$OUT/gpu-tests.xml" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -15
+    timeout "${TESTS_S:-480}" python3 -m pytest -v -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} \
+        --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+    grep -cE " PASSED" "$OUT/gpu-tests.log"; grep -E " (FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" \
+        | tail -15
     ;;
 why)  # issue 6: what stops the capture (first sync inside forward_batch), cProfile of generate
     timeout 200 python3 scripts/gpu/prefill_capture.py --model /tmp/q08 --lens 8192 --why \
