@@ -72,6 +72,7 @@ LAYERS = 24
 FORMATS_RUN = ("int8", "int4")
 # (BLOCK_N, num_warps) tried per shape in tile-mode PDL (--sweep)
 SWEEP = [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]
+SWEEP_MAGIC: list[int] = []  # --magic: the MAGIC values swept (default: the usual one and 2)
 VARIANTS = ["nopdl", "nopdl_tile", "wait", "block", "tile", "early"]
 ODD_SHAPES = [(37, 384), (1000, 1344), (333, 2112)]  # rows / columns no multiple of a block
 TOL = 1e-5
@@ -87,6 +88,8 @@ def call_args(variant: str, bits: int, n: int, k: int, tuned: dict | None = None
     """(config, pdl keyword) for qgemv_cuda; "tuned" is tile mode with the sweep's config."""
     if variant == "tuned":
         return tuned[(n, k)], "tile"
+    if variant == "engine":  # what the engine launches: TUNED_PDL's config, tile mode
+        return tq.config_for(bits, n, k, tq.TUNED_PDL), "tile"
     cfg = tq.config_for(bits, n, k)
     if variant == "nopdl":
         return cfg, False
@@ -249,9 +252,11 @@ def in_place_op(y: torch.Tensor, kind: str) -> None:
 
 
 def sweep_configs(bits: int) -> list[tuple]:
-    """SWEEP's shapes, each with the format's usual code conversion and with byte permutes
-    (MAGIC 2: ops/triton_qgemv._bytes_magic / _nibbles_magic)."""
-    return [(bn, 1024, w, 1, magic) for bn, w in SWEEP for magic in (1 if bits == 8 else 0, 2)]
+    """SWEEP's shapes x MAGIC (SWEEP_MAGIC, or the format's usual conversion and 2): 2 byte
+    permutes (ops/triton_qgemv._bytes_magic / _nibbles_magic), 3 / 4 the same with the first
+    K-step converted to fp32 / bf16 before the wait."""
+    magics = SWEEP_MAGIC or (1 if bits == 8 else 0, 2)
+    return [(bn, 1024, w, 1, magic) for bn, w in SWEEP for magic in magics]
 
 
 def sweep(chain: Chain, n: int, k: int, copy_gbs: float, errors: list) -> list[dict]:
@@ -508,9 +513,15 @@ def main():
     ap.add_argument("--quick", action="store_true", help="model chains only (no per-shape chains)")
     ap.add_argument("--sweep", action="store_true",
                     help="per shape, tile-mode PDL over SWEEP's configs; the best is 'tuned'")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="a subset, comma-separated")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="a subset, comma-separated (also: engine, TUNED_PDL's configs)")
+    ap.add_argument("--sweep-shapes", default="", help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
+    ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 2,3,4")
     args = ap.parse_args()
     VARIANTS[:] = [v for v in args.variants.split(",") if v]
+    if args.sweep_shapes:
+        SWEEP[:] = [tuple(int(v) for v in pair.split(":")) for pair in args.sweep_shapes.split(",")]
+    SWEEP_MAGIC[:] = [int(v) for v in args.magic.split(",") if v]
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference F.linear in full fp32
     out_dir = Path(args.out).resolve().parent
     record = {"kind": "h200-qgemv-pdl-chain", "git_commit": git_commit(),
