@@ -101,68 +101,17 @@ if triton is not None:
         return q, s, b
 
     @triton.jit
-    def _values(q, BITS: tl.constexpr):
-        """Codes as fp32 values, converted where this runs: the byte permutes and the magic's
-        subtraction in one non-pure asm block, which the compiler keeps in program order with
-        gdc_wait (pure arithmetic it sank below the wait). int8: one tile; int4: 8 tiles, nibble j
-        of every word."""
-        if BITS == 8:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; xor.b32 t, $4, 0x80808080; "
-                "prmt.b32 $0, t, 0x4B000000, 0x7540; prmt.b32 $1, t, 0x4B000000, 0x7541; "
-                "prmt.b32 $2, t, 0x4B000000, 0x7542; prmt.b32 $3, t, 0x4B000000, 0x7543; "
-                "sub.f32 $0, $0, 0f4B000080; sub.f32 $1, $1, 0f4B000080; "
-                "sub.f32 $2, $2, 0f4B000080; sub.f32 $3, $3, 0f4B000080; }",
-                "=f,=f,=f,=f,r", [q], dtype=tl.float32, is_pure=False, pack=4)
-        else:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi; and.b32 lo, $8, 0x0F0F0F0F; shr.u32 hi, $8, 4; "
-                "and.b32 hi, hi, 0x0F0F0F0F; "
-                "prmt.b32 $0, lo, 0x4B000000, 0x7540; prmt.b32 $1, hi, 0x4B000000, 0x7540; "
-                "prmt.b32 $2, lo, 0x4B000000, 0x7541; prmt.b32 $3, hi, 0x4B000000, 0x7541; "
-                "prmt.b32 $4, lo, 0x4B000000, 0x7542; prmt.b32 $5, hi, 0x4B000000, 0x7542; "
-                "prmt.b32 $6, lo, 0x4B000000, 0x7543; prmt.b32 $7, hi, 0x4B000000, 0x7543; "
-                "sub.f32 $0, $0, 0f4B000000; sub.f32 $1, $1, 0f4B000000; "
-                "sub.f32 $2, $2, 0f4B000000; sub.f32 $3, $3, 0f4B000000; "
-                "sub.f32 $4, $4, 0f4B000000; sub.f32 $5, $5, 0f4B000000; "
-                "sub.f32 $6, $6, 0f4B000000; sub.f32 $7, $7, 0f4B000000; }",
-                "=f,=f,=f,=f,=f,=f,=f,=f,r", [q], dtype=(tl.float32,) * 8, is_pure=False, pack=1)
-        return out
-
-    @triton.jit
-    def _or(a, b):
-        return a | b
-
-    @triton.jit
-    def _wait_after(values, BITS: tl.constexpr):
-        """gdc_wait that ptxas cannot schedule before `values` exist: its asm takes an OR of all
-        their bits as an operand (ptxas otherwise issues the wait first and converts after it,
-        on the critical path)."""
-        if BITS == 8:
-            bits = tl.reduce(values.to(tl.int32, bitcast=True), None, _or)
-        else:
-            bits = tl.reduce(values[0].to(tl.int32, bitcast=True), None, _or)
-            for j in tl.static_range(1, 8):
-                bits |= tl.reduce(values[j].to(tl.int32, bitcast=True), None, _or)
-        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [bits],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _step(acc, q, s, b, X, R, NW, rstd, offset, k0, K, G: tl.constexpr, BITS: tl.constexpr,
               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              MAGIC: tl.constexpr, XMODE: tl.constexpr, PRE: tl.constexpr = 0):
+              MAGIC: tl.constexpr, XMODE: tl.constexpr):
         """acc [BLOCK_N, BLOCK_K / G] += one K-step: per group a dot of codes and x, times the
         group scale, plus bias times the group's sum of x. Reads x (through the prologue, XMODE:
-        ops/gemv_prologue), so it runs after gdc_wait. PRE: q is _values' output, not codes."""
+        ops/gemv_prologue), so it runs after gdc_wait."""
         NG: tl.constexpr = BLOCK_K // G
         if BITS == 8:
             cols = k0 + tl.arange(0, BLOCK_K)
             x = x_at(X, R, NW, cols, cols < K, K, rstd, offset, XMODE)
-            if PRE:
-                w = q
-            else:
-                w = _to_float(q, 8, MAGIC)
-            part = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, NG, G)), axis=2)
+            part = tl.sum(tl.reshape(_to_float(q, 8, MAGIC) * x[None, :], (BLOCK_N, NG, G)), axis=2)
         elif BITS == 1:  # sum(b ? -x : x) per group (module docstring); its negation times s
             # x read once, contiguously, as [words, 32] fp32 bits; each word's 32 bits spread
             # over the last axis (a strided x load per bit ran 3x slower than int4 in decode)
@@ -177,13 +126,11 @@ if triton is not None:
             wcols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             w_ok = wcols * 8 < K
             prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            if MAGIC == 2 and not PRE:  # all 8 nibbles of each word at once (_nibbles_magic)
+            if MAGIC == 2:  # all 8 nibbles of each word at once (_nibbles_magic)
                 nib = _nibbles_magic(q)
             for j in tl.static_range(8):
                 xj = x_at(X, R, NW, wcols * 8 + j, w_ok, K, rstd, offset, XMODE)
-                if PRE:
-                    prod += q[j] * xj[None, :]
-                elif MAGIC == 2:
+                if MAGIC == 2:
                     prod += (nib[j] - 8388608.0) * xj[None, :]
                 else:
                     prod += _to_float((q >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
@@ -199,15 +146,12 @@ if triton is not None:
     def _gemv_kernel(W, S, B, X, Y, YI, N, K, R, NW, TOTAL, eps, offset, G: tl.constexpr,
                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                     PRE: tl.constexpr = 0):
+                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr):
         """PDL (programmatic dependent launch, launched with launch_pdl): 0 off; 1 gdc_wait first
         (the launch overlaps the predecessor's tail); 2 the first K-step's weights are loaded
         before the wait, so this kernel's DRAM round trip overlaps the predecessor; 3 as 2, and
         the dependents are released before this kernel's own wait (a deeper pipeline). 1 and 2
-        release the next kernel right after the wait: at most two GEMVs overlap. PRE (PDL >= 2,
-        int8 / int4): the first K-step's codes are converted to fp32 before the wait too
-        (_values), so only x's loads and the multiply-adds remain after it."""
+        release the next kernel right after the wait: at most two GEMVs overlap."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -219,19 +163,14 @@ if triton is not None:
         if PDL >= 2:
             q0, s0, b0 = _weights(W, S, B, rows, row_ok, 0, K, num_groups, G, BITS, HAS_BIAS,
                                   BLOCK_K)
-            if PRE:
-                q0 = _values(q0, BITS)
         if PDL != 0:
-            if PRE:  # the same wait, after the conversions
-                _wait_after(q0, BITS)
-            else:
-                gdc_wait()  # the predecessor is complete and its writes (our x) are visible
+            gdc_wait()  # the predecessor is complete and its writes (our x) are visible
             if PDL != 3:
                 gdc_launch_dependents()
         rstd = rstd_of(X, R, K, eps, TOTAL, pid, XMODE, NORM_BLOCK)
         if PDL >= 2:
             acc = _step(acc, q0, s0, b0, X, R, NW, rstd, offset, 0, K, G, BITS, HAS_BIAS, BLOCK_N,
-                        BLOCK_K, MAGIC, XMODE, PRE)
+                        BLOCK_K, MAGIC, XMODE)
             k_start = BLOCK_K
         for k0 in range(k_start, K, BLOCK_K):
             q, s, b = _weights(W, S, B, rows, row_ok, k0, K, num_groups, G, BITS, HAS_BIAS,
@@ -325,9 +264,7 @@ def whole_k_config(config: Config, bits: int, k: int) -> Config:
     if bits == 1:  # q1's registers go to the [rows, words, 32] sign tile, not to its codes
         return config
     whole = triton.next_power_of_2(k)
-    # magic 3 holds the first step converted (4 bytes a weight): up to 4x the budget
-    per_weight, budget = (4, 4) if magic == 3 else (bits / 8, 1)
-    if block_n * whole * per_weight > budget * _TILE_BYTES_PER_THREAD * 32 * warps:
+    if block_n * whole * bits // 8 > _TILE_BYTES_PER_THREAD * 32 * warps:
         return config
     return block_n, max(block_k, whole), warps, stages, magic
 
@@ -393,12 +330,9 @@ def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tens
     block_n, block_k, warps, stages, magic = config
     block_k = max(block_k, scheme.group_size)
     biases = p.get("biases", p["scales"])
-    # magic 3: byte permutes (2), the first K-step converted to fp32 before the wait
-    pre = 1 if magic == 3 and mode >= 2 and scheme.bits in (8, 4) else 0
-    magic = min(magic, 2)
     return _gemv_kernel[(triton.cdiv(n, block_n),)](
         w, p["scales"], biases, x, y, yi, n, k, **gemv_prologue.kernel_args(x, prologue),
         G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
-        MAGIC=magic, ARGMAX=argmax, PDL=mode, PRE=pre, num_warps=warps, num_stages=stages,
+        MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages,
         **pdl_launch(bool(mode)))

@@ -6,10 +6,9 @@ changes with the interpreter. Run once; the JSON is what the gate reads.
 """
 
 import json
+import pydoc_data.topics as topics
 import sys
 from pathlib import Path
-
-import pydoc_data.topics as topics
 
 HAND = {
     "prose": "The lighthouse keeper had not spoken to anyone in eleven days when the supply boat "
@@ -50,8 +49,10 @@ def main() -> None:
         {"id": "book-assignment", "category": "book", "text": excerpt(topics.topics["assignment"], 7000)},
         {"id": "book-exceptions", "category": "book", "text": excerpt(topics.topics["exceptions"], 2100)},
         {"id": "engineering-with", "category": "engineering", "text": excerpt(topics.topics["with"], 3000)},
-        {"id": "code-textwrap", "category": "code", "text": excerpt((stdlib / "textwrap.py").read_text(), 2400)},
-        {"id": "code-fractions", "category": "code", "text": excerpt((stdlib / "fractions.py").read_text(), 7600)},
+        {"id": "code-textwrap", "category": "code",
+         "text": excerpt((stdlib / "textwrap.py").read_text(), 2400)},
+        {"id": "code-fractions", "category": "code",
+         "text": excerpt((stdlib / "fractions.py").read_text(), 7600)},
         {"id": "prose-import", "category": "prose", "text": excerpt(topics.topics["import"], 4500)},
     ]
     out = Path(__file__).resolve().parents[2] / "deltaserve" / "bench" / "gate_prompts.json"

@@ -253,8 +253,8 @@ def in_place_op(y: torch.Tensor, kind: str) -> None:
 
 def sweep_configs(bits: int) -> list[tuple]:
     """SWEEP's shapes x MAGIC (SWEEP_MAGIC, or the format's usual conversion and 2): 2 byte
-    permutes (ops/triton_qgemv._bytes_magic / _nibbles_magic), 3 / 4 the same with the first
-    K-step converted to fp32 / bf16 before the wait."""
+    permutes (ops/triton_qgemv._bytes_magic / _nibbles_magic). (A MAGIC 3, the first K-step
+    converted before the PDL wait, was swept at 0066b5b and removed: slower on every shape.)"""
     magics = SWEEP_MAGIC or (1 if bits == 8 else 0, 2)
     return [(bn, 1024, w, 1, magic) for bn, w in SWEEP for magic in magics]
 
@@ -516,7 +516,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="a subset, comma-separated (also: engine, TUNED_PDL's configs)")
     ap.add_argument("--sweep-shapes", default="", help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
-    ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 2,3,4")
+    ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 1,2")
     args = ap.parse_args()
     VARIANTS[:] = [v for v in args.variants.split(",") if v]
     if args.sweep_shapes:

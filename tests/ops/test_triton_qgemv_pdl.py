@@ -83,16 +83,3 @@ def test_pdl_chain_in_a_cuda_graph(fmt, mode) -> None:
                 assert rel(got, ref) <= 1e-5, (m, rep, i)
         finals[m] = bufs[-1].clone()
     assert rel(finals[mode], finals[False]) <= 1e-5
-
-
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize(("rows", "cols"), SHAPES)
-@pytest.mark.parametrize("config", [(16, 1024, 4, 1, 3), (8, 1024, 8, 1, 3), (4, 256, 2, 1, 3)])
-def test_codes_converted_before_the_wait_match_the_reference(fmt, rows, cols, config) -> None:
-    """MAGIC 3: the first K-step's codes become fp32 values before gdc_wait (the last config's
-    256-wide step leaves later steps to the loop, which converts after the wait)."""
-    scheme, p = FORMATS[fmt], packed(fmt, rows, cols, seed=3 * rows + cols)
-    x = torch.randn(1, cols, device=KDEV)
-    out = torch.full((1, rows), float("nan"), device=KDEV)
-    triton_qgemv.qgemv_cuda(x, p, scheme, config=config, pdl="tile", out=out)
-    assert rel(out, qgemv_ref(x, p, scheme)) <= 1e-5
