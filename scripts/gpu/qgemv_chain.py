@@ -73,6 +73,7 @@ FORMATS_RUN = ("int8", "int4")
 # (BLOCK_N, num_warps) tried per shape in tile-mode PDL (--sweep)
 SWEEP = [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]
 SWEEP_MAGIC: list[int] = []  # --magic: the MAGIC values swept (default: the usual one and 2)
+SWEEP_PDL = ["tile"]  # --sweep-pdl: the PDL mode the sweep's configs run in (tile or early)
 VARIANTS = ["nopdl", "nopdl_tile", "wait", "block", "tile", "early"]
 ODD_SHAPES = [(37, 384), (1000, 1344), (333, 2112)]  # rows / columns no multiple of a block
 TOL = 1e-5
@@ -85,9 +86,10 @@ def layer_steps() -> list[tuple[str, int, int]]:
 
 
 def call_args(variant: str, bits: int, n: int, k: int, tuned: dict | None = None):
-    """(config, pdl keyword) for qgemv_cuda; "tuned" is tile mode with the sweep's config."""
+    """(config, pdl keyword) for qgemv_cuda; "tuned" is SWEEP_PDL's mode (tile unless --sweep-pdl
+    says early) with the sweep's config."""
     if variant == "tuned":
-        return tuned[(n, k)], "tile"
+        return tuned[(n, k)], SWEEP_PDL[0]
     if variant == "engine":  # what the engine launches: TUNED_PDL's config, tile mode
         return tq.config_for(bits, n, k, tq.TUNED_PDL), "tile"
     cfg = tq.config_for(bits, n, k)
@@ -517,11 +519,13 @@ def main():
                     help="a subset, comma-separated (also: engine, TUNED_PDL's configs)")
     ap.add_argument("--sweep-shapes", default="", help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
     ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 1,2")
+    ap.add_argument("--sweep-pdl", default="tile", choices=("tile", "early"))
     args = ap.parse_args()
     VARIANTS[:] = [v for v in args.variants.split(",") if v]
     if args.sweep_shapes:
         SWEEP[:] = [tuple(int(v) for v in pair.split(":")) for pair in args.sweep_shapes.split(",")]
     SWEEP_MAGIC[:] = [int(v) for v in args.magic.split(",") if v]
+    SWEEP_PDL[:] = [args.sweep_pdl]
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference F.linear in full fp32
     out_dir = Path(args.out).resolve().parent
     record = {"kind": "h200-qgemv-pdl-chain", "git_commit": git_commit(),
@@ -529,7 +533,8 @@ def main():
               "capability": torch.cuda.get_device_capability(),
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "pdl_supported": tq.pdl_supported(), "variants": VARIANTS, "l2_bytes": L2_BYTES,
-              "tuned": {str(k): v for k, v in tq.TUNED.items()}, "errors": [], "formats": {}}
+              "tuned": {str(k): v for k, v in tq.TUNED.items()}, "errors": [], "formats": {},
+              "sweep": {"pairs": SWEEP, "magic": SWEEP_MAGIC, "pdl": SWEEP_PDL[0]}}
     print(json.dumps({k: record[k] for k in ("device", "torch", "triton", "pdl_supported")}),
           flush=True)
     record["warm_cache"] = warm_cache(args.jobs, args.sweep)

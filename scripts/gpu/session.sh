@@ -22,6 +22,7 @@
 #                                       # from a CUDA graph (prefill_capture.py); q1 decode again
 #   bash scripts/gpu/session.sh magic   # the GEMV's byte-permute conversions: tests, chain sweep,
 #                                       # a grid barrier's cost (grid_barrier_probe.py), decode tok/s
+#   bash scripts/gpu/session.sh wide    # wide programs in tile / early PDL mode (qgemv_chain sweeps)
 #   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
 #   TEST_PATHS="tests/ops" bash scripts/gpu/session.sh suite  # gpu tests of some paths
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
@@ -214,6 +215,15 @@ magic)  # issue 4: the quantized GEMV's byte-permute conversions (MAGIC 2, 3): p
     [ "${PROBE:-1}" = 1 ] && timeout 60 python3 scripts/gpu/grid_barrier_probe.py \
         --out "$OUT/grid-barrier.json" 2>&1 | tail -6
     [ "${DECODE:-1}" = 1 ] && decode_bench "$OUT/bench-decode.json"
+    ;;
+wide)  # issue 4: wide programs (up to 64 rows, 16 warps: every program resident, all preloading)
+    # swept in tile and in early PDL mode (MAGIC 2), model chain and per-shape chains
+    for mode in tile early; do
+        timeout 170 python3 scripts/gpu/qgemv_chain.py --sweep --jobs 14 --variants nopdl,engine \
+            --magic 2 --sweep-pdl $mode --sweep-shapes 8:8,16:4,16:8,16:16,32:8,32:16,64:8,64:16 \
+            --out "$OUT/qgemv-chain-$mode.json" 2>&1 | grep -v -i warn \
+            | grep -E "^(==|  (engine|tuned) )|copy_gbs" | cut -c1-300 | tail -12
+    done
     ;;
 decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tables as committed)
     decode_bench "$OUT/bench-decode.json"
