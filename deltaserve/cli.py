@@ -183,9 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
-    qz.add_argument("--encoder", default="search", choices=["search", "minmax"],
-                    help="int4 groups: the least-squared-error scale and bias (default) or the "
-                         "group's min and max as MLX encodes them")
+    qz.add_argument("--encoder", default="search", choices=["search", "minmax", "gptq"],
+                    help="int4 groups: the least-squared-error scale and bias (default), the "
+                         "group's min and max as MLX encodes them, or GPTQ (needs --calibration: "
+                         "each layer's output error over that text, errors spread over later "
+                         "columns)")
     qz.add_argument("--calibration", default=None, metavar="TEXT_FILE",
                     help="int4: weigh each input column's error by its mean square over this text "
                          "run through the float model (an importance matrix)")
@@ -228,17 +230,22 @@ def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.quant.convert import quantize_checkpoint
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
-    importance, search = None, args.encoder == "search"
+    importance, search, gptq = None, args.encoder != "minmax", args.encoder == "gptq"
+    if gptq and args.calibration is None:
+        from deltaserve.errors import ConfigError
+
+        raise ConfigError("--encoder gptq needs --calibration TEXT_FILE (its input covariances "
+                          "come from that text)")
     if args.calibration is not None:
         from deltaserve.errors import ConfigError
-        from deltaserve.quant.calibrate import MIN_TOKENS, input_importance, read_calibration
+        from deltaserve.quant.calibrate import MIN_TOKENS, input_statistics, read_calibration
         from deltaserve.quant.convert import check_request
 
         if args.calibration_tokens < MIN_TOKENS:
             raise ConfigError(f"--calibration-tokens must be at least {MIN_TOKENS}")
-        check_request(model_dir, args.format, Path(args.out), search, calibrated=True)
-        importance = input_importance(model_dir, read_calibration(Path(args.calibration)),
-                                      args.calibration_tokens)
+        check_request(model_dir, args.format, Path(args.out), search, calibrated=True, gptq=gptq)
+        importance = input_statistics(model_dir, read_calibration(Path(args.calibration)),
+                                      args.calibration_tokens, covariance=gptq)
     summary = quantize_checkpoint(model_dir, args.format, Path(args.out), search=search,
                                   importance=importance)
     print(json.dumps(summary, indent=2))

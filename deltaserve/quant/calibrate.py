@@ -31,6 +31,15 @@ def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict
     """The quantizer's module name of each checkpoint projection (`model.layers.0.mlp.down_proj`,
     `model.embed_tokens`; quant/convert.py) -> [K] fp32 mean square of its input over the first
     max_tokens tokens of text (fp32 model on CPU)."""
+    return input_statistics(model_dir, text, max_tokens, covariance=False)
+
+
+def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
+                     covariance: bool = False) -> dict[str, torch.Tensor]:
+    """As input_importance; covariance=True: every Linear's entry is the mean of x x^T [K, K]
+    instead (GPTQ's H, quant/gptq.py), while an embedding table (which the tied head reads) keeps
+    its [K] mean square: the search encodes it, as a lookup table GPTQ's error spreading would
+    hurt. Projections packed into one module share one tensor."""
     from deltaserve.engine.llm import LLM
     from deltaserve.layers.linear import Linear
     from deltaserve.ops.gemv_prologue import apply_ref
@@ -44,24 +53,23 @@ def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict
         raise ConfigError(f"the calibration text has {len(ids)} tokens; at least {MIN_TOKENS} "
                           f"are needed")
     model = llm.model
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    counts: dict[tuple[str, ...], int] = {}
 
-    def add(names: list[str], x: torch.Tensor) -> None:
+    def add(names: tuple[str, ...], x: torch.Tensor, full: bool) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        square_sum = x.square().sum(0)
-        for name in names:  # the projections packed into one module read the same input
-            sums[name] = sums.get(name, 0) + square_sum
-            counts[name] = counts.get(name, 0) + x.shape[0]
+        sums[names] = sums.get(names, 0) + (x.T @ x if full else x.square().sum(0))
+        counts[names] = counts.get(names, 0) + x.shape[0]
 
-    hooks, head = [], []
+    hooks, head = [], None
     for module, names in module_checkpoint_names(model):
+        full = covariance and isinstance(module, Linear)
         if module is model.head:
-            head = names
+            head = (tuple(names), full)
         elif isinstance(module, Linear):
-            def hook(mod, args, kwargs, names=names) -> None:
+            def hook(mod, args, kwargs, names=tuple(names), full=full) -> None:
                 prologue = args[1] if len(args) > 1 else kwargs.get("prologue")
-                add(names, apply_ref(args[0], prologue))
+                add(names, apply_ref(args[0], prologue), full)
 
             hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -69,8 +77,9 @@ def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict
         with torch.inference_mode():
             for start in range(0, len(ids), CHUNK_TOKENS):
                 h = model.hidden_states(torch.tensor([ids[start : start + CHUNK_TOKENS]]), state)
-                add(head, h)
+                if head is not None:
+                    add(head[0], h, head[1])
     finally:
         for h in hooks:
             h.remove()
-    return {name: sums[name] / counts[name] for name in sums}
+    return {name: sums[names] / counts[names] for names in sums for name in names}

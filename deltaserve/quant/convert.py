@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.reader import TensorIndex, lm_name, read_config
 from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.quant.gptq import gptq_quantize
 from deltaserve.quant.loading import module_checkpoint_names, quant_block
 from deltaserve.quant.schemes import FORMATS, Scheme, quantize
 
@@ -36,14 +37,17 @@ def quantizable_names(model_dir: Path) -> set[str]:
 
 
 def check_request(model_dir: Path, fmt: str, out_dir: Path, search: bool = True,
-                  calibrated: bool = False) -> tuple[Scheme, dict]:
+                  calibrated: bool = False, gptq: bool = False) -> tuple[Scheme, dict]:
     """(scheme, config.json) of a valid request, else a clear error before any work is done."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format '{fmt}' (choose {', '.join(FORMATS)})")
     scheme = FORMATS[fmt]
+    if gptq and (scheme.kind != "affine" or not calibrated):
+        raise ConfigError("the gptq encoder needs --format int4 and --calibration TEXT (its input "
+                          "covariances come from that text)")
     if calibrated and (scheme.kind != "affine" or not search):
         raise ConfigError("calibration weighs the int4 encoder's search: use it with --format int4 "
-                          "and the search encoder")
+                          "and the search or gptq encoder")
     raw = read_config(model_dir)
     if quant_block(raw):
         raise CheckpointError(f"{model_dir} is already quantized; start from the float checkpoint")
@@ -56,13 +60,15 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
                         importance: dict[str, torch.Tensor] | None = None) -> dict:
     """search: affine (int4) groups take the least-squares encoder (quant/schemes.py); False:
     their min and max, as MLX's encoder. importance: module name -> [K] input importance
-    (quant/calibrate.py) weighing that search's errors."""
-    scheme, raw = check_request(model_dir, fmt, out_dir, search, importance is not None)
+    (quant/calibrate.py) weighing that search's errors, or [K, K] input covariance: that module
+    takes GPTQ (quant/gptq.py)."""
+    gptq = any(v.dim() == 2 for v in (importance or {}).values())
+    scheme, raw = check_request(model_dir, fmt, out_dir, search, importance is not None, gptq)
     targets = quantizable_names(model_dir)
     index = TensorIndex.scan(model_dir)  # also validates the folder
     files = sorted({f for f, _ in index.locations.values()})
     tensors: dict[str, torch.Tensor] = {}
-    num_quantized, kept_float, targets_quantized = 0, [], set()
+    num_quantized, kept_float, targets_quantized, by_gptq = 0, [], set(), set()
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
@@ -74,8 +80,13 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
                         kept_float.append(key)
                     else:
                         base = key.removesuffix(".weight")
-                        imp = (importance or {}).get(module)
-                        for leaf, v in quantize(t, scheme, SCALE_DTYPE, search, imp).items():
+                        stat = (importance or {}).get(module)
+                        if stat is not None and stat.dim() == 2:
+                            packed = gptq_quantize(t, scheme, stat, SCALE_DTYPE)
+                            by_gptq.add(module)
+                        else:
+                            packed = quantize(t, scheme, SCALE_DTYPE, search, stat)
+                        for leaf, v in packed.items():
                             tensors[f"{base}.{leaf}"] = v.contiguous()
                         num_quantized += 1
                         targets_quantized.add(module)
@@ -89,8 +100,9 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (
             "config.json", "model.safetensors.index.json"):
             shutil.copy(f, out_dir / f.name)
-    return {"format": fmt,
-            "encoder": ("search" if search else "minmax") if scheme.kind == "affine" else None,
+    encoder = ("gptq" if gptq else "search" if search else "minmax")
+    return {"format": fmt, "encoder": encoder if scheme.kind == "affine" else None,
+            "gptq": sorted(by_gptq),
             "calibrated": sorted(set(importance or ()) & targets_quantized),
             "num_quantized": num_quantized, "kept_float": kept_float,
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}

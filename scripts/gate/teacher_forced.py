@@ -1,0 +1,68 @@
+"""Teacher-forced quality of quantized models against their float model: next-token logits at every
+position of the gate's prompts (deltaserve/bench/gate_prompts.json), fp32 on CPU. Writes one JSON.
+
+    python scripts/gate/teacher_forced.py --against FLOAT_DIR --out F.json NAME=DIR [NAME=DIR ...]
+
+Per model, over all positions of all prompts: logits rel-L2 (||a - b|| / ||b||, all positions at
+once), top-1 agreement with the float model, mean and max Jensen-Shannon divergence. The gate
+(`deltaserve gate`) measures free-running greedy continuations, where one early flip at a near-tie
+changes everything after it; this measures every position on the same text.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deltaserve.bench.gate import js_divergence  # noqa: E402
+from deltaserve.engine.llm import LLM  # noqa: E402
+
+PROMPTS = Path(__file__).resolve().parents[2] / "deltaserve" / "bench" / "gate_prompts.json"
+
+
+def logits_of(model_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            state = llm.model.new_state()
+            out.append(llm.model(torch.tensor([ids]), state, all_logits=True)[0].float())
+    return out
+
+
+def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    la, lb = torch.cat(a), torch.cat(b)
+    js = js_divergence(la, lb)
+    return {"positions": la.shape[0],
+            "logits_rel_l2": ((la - lb).norm() / lb.norm()).item(),
+            "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+            "js_mean": js.mean().item(), "js_max": js.max().item()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", required=True, help="the float model's folder")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("models", nargs="+", help="NAME=DIR of each quantized model")
+    args = ap.parse_args()
+    ref = LLM(args.against, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+    texts = json.loads(PROMPTS.read_text())["prompts"]
+    prompts = [ref.tokenizer.encode(p["text"]) for p in texts]
+    del ref
+    base = logits_of(args.against, prompts)
+    record = {"kind": "teacher-forced-quality", "against": args.against,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "prompts": [p["id"] for p in texts],
+              "models": {}}
+    for spec in args.models:
+        name, _, folder = spec.partition("=")
+        record["models"][name] = {"dir": folder, **compare(logits_of(folder, prompts), base)}
+        print(json.dumps({name: record["models"][name]}), flush=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
