@@ -43,6 +43,12 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
             "js_mean": js.mean().item(), "js_max": js.max().item()}
 
 
+def git_commit() -> str:
+    from deltaserve.bench.record import git_commit as commit
+
+    return commit()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", required=True, help="the float model's folder")
@@ -55,6 +61,7 @@ def main():
     del ref
     base = logits_of(args.against, prompts)
     record = {"kind": "teacher-forced-quality", "against": args.against,
+              "git_commit": git_commit(), "torch": torch.__version__,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "prompts": [p["id"] for p in texts],
               "models": {}}
     for spec in args.models:
