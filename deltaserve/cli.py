@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "columns)")
     qz.add_argument("--calibration", default=None, metavar="TEXT_FILE",
                     help="int4: weigh each input column's error by its mean square over this text "
-                         "run through the float model (an importance matrix)")
+                         "run through the float model (an importance matrix); with --encoder gptq, "
+                         "the inputs' covariances over it")
     qz.add_argument("--calibration-tokens", type=int, default=4096,
                     help="tokens of the calibration text used (default 4096)")
     qz.add_argument("out", help="output folder (new or empty)")

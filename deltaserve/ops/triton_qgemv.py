@@ -14,8 +14,9 @@ shape comes from TUNED, written from scripts/gpu/qgemv_tune.py's H200 run (see t
 Measured there: int8 codes convert faster by the 2**23 mantissa trick (MAGIC) than by int-to-float;
 int4 codes do not (its bound is the integer shift/mask work, not the conversion). MAGIC 2 builds the
 same fp32 2**23 + code with one PTX byte permute (prmt) per code: for int8 it replaces an extract
-and an add, for int4 a shift and a mask per nibble (two masks and a shift per word remain); in the
-PDL chains it was 3% (int8) and 3-13% (int4) faster per shape, so TUNED_PDL takes it.
+and an add, for int4 a shift and a mask per nibble (two masks and a shift per word remain). In one
+sweep of the PDL chains it was 2-4% faster on 4 of 5 int8 shapes (5120 rows keeps MAGIC 1) and 3-13%
+on every int4 shape; TUNED_PDL takes it where it won.
 
 PDL mode (qgemv_cuda(..., pdl=...), Hopper): a layer's 2-8 MB matrix streams in ~1 us, less than
 one launch plus the first DRAM round trip, so back-to-back GEMVs are launch/latency bound. Launched

@@ -3,10 +3,14 @@ each quantized module's input, per input column, over calibration text run throu
 (llama.cpp's importance matrix). The encoder then weighs a weight's squared error by its column's
 importance: E[(dw . x)^2] = sum_k dw_k^2 E[x_k^2] when the columns are uncorrelated, the error the
 layer's output sees. The tied embedding's importance is the head's input (the final-normed hidden).
+
+With `--encoder gptq` the same run collects each Linear's full input covariance E[x x^T] instead,
+GPTQ's H (quant/gptq.py), which also sees how the columns correlate.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,6 +57,13 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
         raise ConfigError(f"the calibration text has {len(ids)} tokens; at least {MIN_TOKENS} "
                           f"are needed")
     model = llm.model
+    if covariance:
+        widest = max(m.in_cols if hasattr(m, "in_cols") else m.weight.shape[1]
+                     for m in model.modules() if isinstance(m, Linear))
+        if len(ids) < widest:
+            warnings.warn(f"{len(ids)} calibration tokens for inputs up to {widest} wide: the "
+                          f"input covariances are rank-deficient (damping keeps them invertible); "
+                          f"GPTQ does better with more tokens than inputs", stacklevel=2)
     sums: dict[tuple[str, ...], torch.Tensor] = {}
     counts: dict[tuple[str, ...], int] = {}
 
@@ -82,4 +93,8 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
     finally:
         for h in hooks:
             h.remove()
-    return {name: sums[names] / counts[names] for names in sums for name in names}
+    out = {}
+    for names, total in sums.items():
+        mean = total / counts[names]  # one tensor for the projections packed into one module
+        out.update(dict.fromkeys(names, mean))
+    return out

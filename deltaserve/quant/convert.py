@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.reader import TensorIndex, lm_name, read_config
 from deltaserve.errors import CheckpointError, ConfigError
-from deltaserve.quant.gptq import gptq_quantize
+from deltaserve.quant.gptq import gptq_quantize, inverse_factor
 from deltaserve.quant.loading import module_checkpoint_names, quant_block
 from deltaserve.quant.schemes import FORMATS, Scheme, quantize
 
@@ -69,6 +69,7 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
     files = sorted({f for f, _ in index.locations.values()})
     tensors: dict[str, torch.Tensor] = {}
     num_quantized, kept_float, targets_quantized, by_gptq = 0, [], set(), set()
+    factors: dict[int, torch.Tensor] = {}  # id(covariance) -> its inverse factor, shared by parts
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
@@ -82,7 +83,7 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
                         base = key.removesuffix(".weight")
                         stat = (importance or {}).get(module)
                         if stat is not None and stat.dim() == 2:
-                            packed = gptq_quantize(t, scheme, stat, SCALE_DTYPE)
+                            packed = _gptq(t, scheme, module, stat, factors)
                             by_gptq.add(module)
                         else:
                             packed = quantize(t, scheme, SCALE_DTYPE, search, stat)
@@ -106,6 +107,20 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
             "calibrated": sorted(set(importance or ()) & targets_quantized),
             "num_quantized": num_quantized, "kept_float": kept_float,
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}
+
+
+def _gptq(t: torch.Tensor, scheme: Scheme, module: str, cov: torch.Tensor,
+          factors: dict[int, torch.Tensor]) -> dict:
+    """GPTQ of one checkpoint tensor; a covariance it cannot use is a clear error naming the
+    module (the calibration run's inputs overflowed, or were not positive definite)."""
+    try:
+        if id(cov) not in factors:
+            if not torch.isfinite(cov).all():
+                raise ValueError("its input covariance has non-finite entries")
+            factors[id(cov)] = inverse_factor(cov)
+        return gptq_quantize(t, scheme, cov, SCALE_DTYPE, factors[id(cov)])
+    except ValueError as exc:
+        raise ConfigError(f"GPTQ cannot encode {module}: {exc}") from None
 
 
 def _block(fmt: str, s: Scheme) -> dict:

@@ -25,27 +25,35 @@ from deltaserve.quant.schemes import (
     pack_codes,
 )
 
-DAMP = 0.01  # H + DAMP * mean(diag H) * I: keeps the inverse finite for rank-deficient inputs
+DAMP = 0.01  # H + DAMP * mean(live diag H) * I: keeps the inverse finite for rank-deficient inputs
 
 
 def inverse_factor(h: torch.Tensor) -> torch.Tensor:
-    """U [K, K] upper triangular with U^T U = (H + damping)^-1, fp64 for the factorisations. Inputs
-    that never fire (diag 0) get a unit diagonal: their weights take no error from elsewhere."""
+    """U [K, K] upper triangular with U^T U = (H + damping)^-1, fp64 for the factorisations; the
+    damping is DAMP times the mean of the live inputs' diagonal. Inputs that never fire (diag 0)
+    get a unit diagonal and nothing off it: their weights take no error from elsewhere. A factor
+    that cannot be computed is a ValueError."""
     h = h.double().clone()
     dead = torch.diagonal(h) <= 0
     h[dead, :] = 0.0
     h[:, dead] = 0.0
     diag = torch.diagonal(h)
+    live_mean = diag[~dead].mean() if bool((~dead).any()) else torch.tensor(1.0, dtype=h.dtype)
     diag[dead] = 1.0
-    diag += DAMP * diag.mean()
-    inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inv, upper=True)
+    diag[~dead] += DAMP * live_mean
+    try:
+        inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+        return torch.linalg.cholesky(inv, upper=True)
+    except torch.linalg.LinAlgError as exc:
+        raise ValueError(f"the damped input covariance is not positive definite ({exc})") from None
 
 
 def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
-                  scale_dtype: torch.dtype = torch.float16) -> dict:
+                  scale_dtype: torch.dtype = torch.float16,
+                  factor: torch.Tensor | None = None) -> dict:
     """w [N, K] float, h [K, K] the input covariance -> {"weight", "scales", "biases"} as
-    quant/schemes.quantize writes them for an affine scheme."""
+    quant/schemes.quantize writes them for an affine scheme. factor: inverse_factor(h), when the
+    caller has it (projections packed into one module share their input)."""
     if s.kind != "affine":
         raise ValueError(f"GPTQ here encodes affine (int4) groups, not {s.kind}")
     rows, cols = w.shape
@@ -54,8 +62,8 @@ def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
         raise ValueError(f"input covariance has shape {list(h.shape)}; the weight has {cols} inputs")
     if not torch.isfinite(h).all():
         raise ValueError("input covariance has non-finite entries")
-    u = inverse_factor(h).float()
-    imp = _group_weights(torch.diagonal(h).float(), cols, s.group_size)
+    u = (inverse_factor(h) if factor is None else factor).to(w.device, torch.float32)
+    imp = _group_weights(torch.diagonal(h).float(), cols, s.group_size).to(w.device)
     codes, scales, biases = [], [], []
     for part in w.float().split(AFFINE_ROWS_PER_PASS):
         q, scale, bias = _walk(part.clone(), u, imp, s, scale_dtype)
@@ -72,16 +80,16 @@ def _walk(w: torch.Tensor, u: torch.Tensor, imp: torch.Tensor, s: Scheme,
     """Quantizes w [R, K] in place, group by group: codes [R, K], scales and biases [R, K / G]."""
     rows, cols = w.shape
     size, levels = s.group_size, (1 << s.bits) - 1
-    codes = torch.empty(rows, cols)
-    scales = torch.empty(rows, cols // size, dtype=scale_dtype)
-    biases = torch.empty(rows, cols // size, dtype=scale_dtype)
+    codes = torch.empty(rows, cols, device=w.device)
+    scales = torch.empty(rows, cols // size, dtype=scale_dtype, device=w.device)
+    biases = torch.empty(rows, cols // size, dtype=scale_dtype, device=w.device)
     for g in range(cols // size):
         lo, hi = g * size, (g + 1) * size
         scale, bias = affine_fit(w[:, lo:hi].reshape(rows, 1, size), levels, scale_dtype,
                                  imp[:, g : g + 1])
         scales[:, g], biases[:, g] = scale[:, 0], bias[:, 0]
         sf, bf = scale.float(), bias.float()
-        err = torch.empty(rows, size)
+        err = torch.empty(rows, size, dtype=w.dtype, device=w.device)
         for j in range(lo, hi):
             q = _affine_codes(w[:, j].reshape(rows, 1, 1), sf, bf, levels)[:, 0, 0]
             codes[:, j] = q

@@ -55,6 +55,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("models", nargs="+", help="NAME=DIR of each quantized model")
     args = ap.parse_args()
+    for spec in args.models:
+        if "=" not in spec or not all(spec.partition("=")[::2]):
+            ap.error(f"models are NAME=DIR, got {spec!r}")
     ref = LLM(args.against, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
     texts = json.loads(PROMPTS.read_text())["prompts"]
     prompts = [ref.tokenizer.encode(p["text"]) for p in texts]

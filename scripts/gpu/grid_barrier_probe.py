@@ -5,11 +5,13 @@ persistent decode kernel (issue 4). Writes one JSON record.
 
 A decode step's quantized GEMVs are 2-8 MB each; measured as a chain of kernels with programmatic
 dependent launch they reach 31-58% of copy bandwidth, because every kernel boundary costs ~1-2 us
-(qgemv_chain.py). A persistent kernel would replace each boundary by a grid-wide barrier. Here one
-program per SM (all resident) runs ROUNDS barriers: each program adds 1 to the round's counter
-(release) and spins until it reads the program count (acquire). Timed as CUDA-graph replays:
-us per round = (time - time of 1 round) / (ROUNDS - 1). Beside it, the same number of empty
-kernels launched back to back in a graph, plain and with PDL (gdc_wait first).
+(qgemv_chain.py). A persistent kernel would replace each boundary by a grid-wide barrier. Here
+half a program, one program and two programs per SM (small programs: all resident at once, which
+the barrier needs; a grid that could not be resident would hang) run ROUNDS barriers: each program
+adds 1 to the round's counter (release) and spins until it reads the program count (Triton compiles
+the spin's atomic add of 0 with acquire semantics to an ld.acquire by one thread). Timed as
+CUDA-graph replays: us per round = (time - time of 1 round) / (ROUNDS - 1). Beside it, the same
+number of empty kernels launched back to back in a graph, plain and with PDL (gdc_wait first).
 """
 
 import argparse

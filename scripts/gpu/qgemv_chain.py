@@ -508,6 +508,17 @@ def run_format(fmt: str, record: dict, out_dir: Path, quick: bool, do_sweep: boo
         r["shares"] = guarded(errors, f"{fmt}/shares", lambda: shares(model, r["shapes"]))
 
 
+def pairs(text: str) -> list[tuple[int, int]]:
+    """--sweep-shapes: "8:4,16:4" -> [(8, 4), (16, 4)] (powers of two), else an argparse error."""
+    try:
+        out = [(int(a), int(b)) for a, b in (p.split(":") for p in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_N:warps pairs, got {text!r}") from None
+    if not out or any(v < 1 or v & (v - 1) for pair in out for v in pair):
+        raise argparse.ArgumentTypeError(f"BLOCK_N and warps must be powers of two: {text!r}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -517,13 +528,14 @@ def main():
                     help="per shape, tile-mode PDL over SWEEP's configs; the best is 'tuned'")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="a subset, comma-separated (also: engine, TUNED_PDL's configs)")
-    ap.add_argument("--sweep-shapes", default="", help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
+    ap.add_argument("--sweep-shapes", default=None, type=pairs,
+                    help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
     ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 1,2")
     ap.add_argument("--sweep-pdl", default="tile", choices=("tile", "early"))
     args = ap.parse_args()
     VARIANTS[:] = [v for v in args.variants.split(",") if v]
     if args.sweep_shapes:
-        SWEEP[:] = [tuple(int(v) for v in pair.split(":")) for pair in args.sweep_shapes.split(",")]
+        SWEEP[:] = args.sweep_shapes
     SWEEP_MAGIC[:] = [int(v) for v in args.magic.split(",") if v]
     SWEEP_PDL[:] = [args.sweep_pdl]
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference F.linear in full fp32
@@ -533,7 +545,8 @@ def main():
               "capability": torch.cuda.get_device_capability(),
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "pdl_supported": tq.pdl_supported(), "variants": VARIANTS, "l2_bytes": L2_BYTES,
-              "tuned": {str(k): v for k, v in tq.TUNED.items()}, "errors": [], "formats": {},
+              "tuned": {str(k): v for k, v in tq.TUNED.items()},
+              "tuned_pdl": {str(k): v for k, v in tq.TUNED_PDL.items()}, "errors": [], "formats": {},
               "sweep": {"pairs": SWEEP, "magic": SWEEP_MAGIC, "pdl": SWEEP_PDL[0]}}
     print(json.dumps({k: record[k] for k in ("device", "torch", "triton", "pdl_supported")}),
           flush=True)
