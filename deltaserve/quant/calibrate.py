@@ -31,6 +31,24 @@ def read_calibration(path: Path) -> str:
     return text
 
 
+COVARIANCE_MEMORY_SHARE = 0.8  # of the memory available once the float model is loaded
+
+
+def check_covariance_memory(widths: list[int]) -> None:
+    """GPTQ holds one fp32 [K, K] covariance per Linear for the whole conversion (they grow with
+    the square of each input's width): refuse, before the calibration run, where they would not
+    fit beside the loaded float model."""
+    from deltaserve.cache.memory import available_bytes
+
+    need, have = sum(4 * k * k for k in widths), available_bytes(torch.device("cpu"))
+    if need > COVARIANCE_MEMORY_SHARE * have:
+        raise ConfigError(
+            f"GPTQ's input covariances need {need / 2**30:.1f} GiB ({len(widths)} projections, "
+            f"inputs up to {max(widths)} wide); {have / 2**30:.1f} GiB of memory is available. "
+            f"Use --encoder search with --calibration (a [K] importance per projection), or a "
+            f"machine with more memory")
+
+
 def input_importance(model_dir: Path, text: str, max_tokens: int = 4096) -> dict[str, torch.Tensor]:
     """The quantizer's module name of each checkpoint projection (`model.layers.0.mlp.down_proj`,
     `model.embed_tokens`; quant/convert.py) -> [K] fp32 mean square of its input over the first
@@ -58,8 +76,9 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
                           f"are needed")
     model = llm.model
     if covariance:
-        widest = max(m.in_cols if hasattr(m, "in_cols") else m.weight.shape[1]
-                     for m in model.modules() if isinstance(m, Linear))
+        widths = [m.weight.shape[1] for m in model.modules() if isinstance(m, Linear)]
+        check_covariance_memory(widths)
+        widest = max(widths)
         if len(ids) < widest:
             warnings.warn(f"{len(ids)} calibration tokens for inputs up to {widest} wide: the "
                           f"input covariances are rank-deficient (damping keeps them invertible); "

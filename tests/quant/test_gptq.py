@@ -229,3 +229,11 @@ def test_bad_gptq_requests_are_clear_errors(tiny_dir, tmp_path, capsys) -> None:
         quantize_checkpoint(tiny_dir, "int8", tmp_path / "b",
                             importance={"model.layers.0.mlp.down_proj": torch.eye(8)})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_covariances_that_would_not_fit_are_refused_before_the_run(tiny_dir, monkeypatch) -> None:
+    import deltaserve.cache.memory as memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    with pytest.raises(ConfigError, match=r"covariances need .* GiB of memory is available"):
+        input_statistics(tiny_dir, TEXT, max_tokens=200, covariance=True)
