@@ -14,6 +14,7 @@ from deltaserve.env import env
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.layers.linear import Linear
 from deltaserve.models.registry import text_config_for, text_model_class
+from deltaserve.quant.linear import narrow_scales_
 from deltaserve.quant.loading import from_mlx, is_mlx_layout, quantize_model_
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,6 +70,8 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", t
         advise_huge_pages([p.data for p in model.parameters()])
     _copy_weights(model, cfg, index, from_mlx if mlx else None,
                   None if plan is None else plan.shard)
+    if dev.type == "cuda":  # half the scale bytes per decode step; exact (quant/linear.py)
+        narrow_scales_(model)
     if plan is not None:
         from deltaserve.distributed.comm import Comm, Compression
         from deltaserve.distributed.sharded import attach

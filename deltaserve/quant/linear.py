@@ -3,7 +3,9 @@
 A module becomes quantized on the meta device before it is materialised (`quantize_module_`): its
 `weight` parameter is replaced by the packed codes, and `scales` (and `biases`) parameters appear,
 all with the checkpoint's names, so a packed q|k|v Linear still loads by row slices. Scales are
-kept in fp32 (widened exactly from the file's fp16/bf16): the kernels read one scale dtype.
+loaded as fp32 (widened exactly from the file's fp16/bf16): the CPU kernels read one scale dtype.
+On CUDA `narrow_scales_` then stores them back in the narrowest float that holds them exactly: the
+Triton kernels widen them in registers, and a decode step reads half the scale bytes.
 
 Prefill (>= WIDEN_MIN_ROWS rows) dequantizes the weight once per call, on CPU straight into the
 shared scratch buffer with one native pass, and runs the dense GEMM; decode rows go to a native
@@ -53,6 +55,27 @@ def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
         module.biases = nn.Parameter(torch.empty(groups, dtype=torch.float32, device=device), False)
     module.scheme = scheme
     module.in_cols = cols
+
+
+def narrow_scales_(model: nn.Module) -> int:
+    """Every quantized module's fp32 scales (and biases) as fp16, else bf16, where that dtype holds
+    each value exactly (the files store one of the two), else left fp32; the number of tensors
+    narrowed. For CUDA models (their kernels read any float scale dtype), after loading."""
+    count = 0
+    for module in model.modules():
+        if not is_quantized(module):
+            continue
+        for name in ("scales", "biases"):
+            t = getattr(module, name, None)
+            if t is None or t.dtype != torch.float32:
+                continue
+            for dtype in (torch.float16, torch.bfloat16):
+                narrow = t.data.to(dtype)
+                if torch.equal(narrow.float(), t.data):
+                    setattr(module, name, nn.Parameter(narrow, False))
+                    count += 1
+                    break
+    return count
 
 
 def is_quantized(module: nn.Module) -> bool:

@@ -1,0 +1,41 @@
+"""quant/linear.py: the quantized module's scales narrowed for CUDA (narrow_scales_)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.quant.linear import narrow_scales_, quantize_module_
+from deltaserve.quant.schemes import INT4, INT8, quantize
+
+
+def packed_linear(scheme, scales: torch.Tensor, biases: torch.Tensor | None = None) -> nn.Module:
+    rows, groups = scales.shape
+    module = nn.Linear(groups * scheme.group_size, rows, bias=False)
+    quantize_module_(module, scheme)
+    module.scales.data.copy_(scales)
+    if biases is not None:
+        module.biases.data.copy_(biases)
+    return module
+
+
+def test_fp16_values_narrow_to_fp16_exactly() -> None:
+    """What our files store (fp16 scales and biases, widened at load): back to fp16, same values."""
+    q = quantize(torch.randn(40, 256), INT4)
+    module = packed_linear(INT4, q["scales"].float(), q["biases"].float())
+    before = (module.scales.data.clone(), module.biases.data.clone())
+    assert narrow_scales_(module) == 2
+    assert module.scales.dtype == module.biases.dtype == torch.float16
+    assert torch.equal(module.scales.float(), before[0])
+    assert torch.equal(module.biases.float(), before[1])
+    assert narrow_scales_(module) == 0  # nothing left to narrow
+
+
+def test_each_tensor_takes_the_narrowest_exact_dtype() -> None:
+    """bf16-only values (beyond fp16's range) become bf16; values neither holds stay fp32."""
+    wide = packed_linear(INT8, torch.full((4, 2), 2.0**20))
+    fine = packed_linear(INT8, torch.full((4, 2), 1.0 + 2.0**-20))
+    model = nn.Sequential(wide, fine, nn.LayerNorm(8))
+    assert narrow_scales_(model) == 1
+    assert wide.scales.dtype == torch.bfloat16 and wide.scales.float().eq(2.0**20).all()
+    assert fine.scales.dtype == torch.float32
