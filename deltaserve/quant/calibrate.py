@@ -63,9 +63,6 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
     its [K] mean square: the search encodes it, as a lookup table GPTQ's error spreading would
     hurt. Projections packed into one module share one tensor."""
     from deltaserve.engine.llm import LLM
-    from deltaserve.layers.linear import Linear
-    from deltaserve.ops.gemv_prologue import apply_ref
-    from deltaserve.quant.loading import module_checkpoint_names
 
     llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
     # (tokenizing the whole of a long file would cost more than the run: a token averages a few
@@ -76,13 +73,7 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
                           f"are needed")
     model = llm.model
     if covariance:
-        widths = [m.weight.shape[1] for m in model.modules() if isinstance(m, Linear)]
-        check_covariance_memory(widths)
-        widest = max(widths)
-        if len(ids) < widest:
-            warnings.warn(f"{len(ids)} calibration tokens for inputs up to {widest} wide: the "
-                          f"input covariances are rank-deficient (damping keeps them invertible); "
-                          f"GPTQ does better with more tokens than inputs", stacklevel=2)
+        _check_covariances(model, len(ids))
     sums: dict[tuple[str, ...], torch.Tensor] = {}
     counts: dict[tuple[str, ...], int] = {}
 
@@ -91,17 +82,7 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
         sums[names] = sums.get(names, 0) + (x.T @ x if full else x.square().sum(0))
         counts[names] = counts.get(names, 0) + x.shape[0]
 
-    hooks, head = [], None
-    for module, names in module_checkpoint_names(model):
-        full = covariance and isinstance(module, Linear)
-        if module is model.head:
-            head = (tuple(names), full)
-        elif isinstance(module, Linear):
-            def hook(mod, args, kwargs, names=tuple(names), full=full) -> None:
-                prologue = args[1] if len(args) > 1 else kwargs.get("prologue")
-                add(names, apply_ref(args[0], prologue), full)
-
-            hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    hooks, head = _hook_inputs(model, add, covariance)
     try:
         state = model.new_state()
         with torch.inference_mode():
@@ -117,3 +98,38 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
         mean = total / counts[names]  # one tensor for the projections packed into one module
         out.update(dict.fromkeys(names, mean))
     return out
+
+
+def _check_covariances(model, num_tokens: int) -> None:
+    """Before the run: the covariances must fit (check_covariance_memory); fewer tokens than a
+    projection's inputs leave its covariance rank-deficient, which is worth a warning."""
+    from deltaserve.layers.linear import Linear
+
+    widths = [m.weight.shape[1] for m in model.modules() if isinstance(m, Linear)]
+    check_covariance_memory(widths)
+    if num_tokens < max(widths):
+        warnings.warn(f"{num_tokens} calibration tokens for inputs up to {max(widths)} wide: the "
+                      f"input covariances are rank-deficient (damping keeps them invertible); "
+                      f"GPTQ does better with more tokens than inputs", stacklevel=3)
+
+
+def _hook_inputs(model, add, covariance: bool):
+    """Pre-hooks on every Linear that pass its input (after its prologue, as the layer computes it)
+    to add(names, x, full); the head's (names, full) for the caller, which feeds it the final
+    hidden states. Returns (hooks, head)."""
+    from deltaserve.layers.linear import Linear
+    from deltaserve.ops.gemv_prologue import apply_ref
+    from deltaserve.quant.loading import module_checkpoint_names
+
+    hooks, head = [], None
+    for module, names in module_checkpoint_names(model):
+        full = covariance and isinstance(module, Linear)
+        if module is model.head:
+            head = (tuple(names), full)
+        elif isinstance(module, Linear):
+            def hook(mod, args, kwargs, names=tuple(names), full=full) -> None:
+                prologue = args[1] if len(args) > 1 else kwargs.get("prologue")
+                add(names, apply_ref(args[0], prologue), full)
+
+            hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    return hooks, head
