@@ -228,23 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.default import default_model_dir
     from deltaserve.checkpoint.hub import resolve_model_dir
-    from deltaserve.quant.convert import quantize_checkpoint
+    from deltaserve.quant.convert import check_request, quantize_checkpoint
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     importance, search, gptq = None, args.encoder != "minmax", args.encoder == "gptq"
-    if gptq and args.calibration is None:
-        from deltaserve.errors import ConfigError
-
-        raise ConfigError("--encoder gptq needs --calibration TEXT_FILE (its input covariances "
-                          "come from that text)")
+    # every refusal (gptq without calibration text among them) before the calibration run
+    check_request(model_dir, args.format, Path(args.out), search,
+                  calibrated=args.calibration is not None, gptq=gptq)
     if args.calibration is not None:
         from deltaserve.errors import ConfigError
         from deltaserve.quant.calibrate import MIN_TOKENS, input_statistics, read_calibration
-        from deltaserve.quant.convert import check_request
 
         if args.calibration_tokens < MIN_TOKENS:
             raise ConfigError(f"--calibration-tokens must be at least {MIN_TOKENS}")
-        check_request(model_dir, args.format, Path(args.out), search, calibrated=True, gptq=gptq)
         importance = input_statistics(model_dir, read_calibration(Path(args.calibration)),
                                       args.calibration_tokens, covariance=gptq)
     summary = quantize_checkpoint(model_dir, args.format, Path(args.out), search=search,

@@ -32,7 +32,9 @@ def inverse_factor(h: torch.Tensor) -> torch.Tensor:
     """U [K, K] upper triangular with U^T U = (H + damping)^-1, fp64 for the factorisations; the
     damping is DAMP times the mean of the live inputs' diagonal. Inputs that never fire (diag 0)
     get a unit diagonal and nothing off it: their weights take no error from elsewhere. A factor
-    that cannot be computed is a ValueError."""
+    that cannot be computed (non-finite entries, not positive definite) is a ValueError."""
+    if not torch.isfinite(h).all():
+        raise ValueError("input covariance has non-finite entries")
     h = h.double().clone()
     dead = torch.diagonal(h) <= 0
     h[dead, :] = 0.0
@@ -60,8 +62,6 @@ def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
     s.check_cols(cols, "weight")
     if h.shape != (cols, cols):
         raise ValueError(f"input covariance has shape {list(h.shape)}; the weight has {cols} inputs")
-    if not torch.isfinite(h).all():
-        raise ValueError("input covariance has non-finite entries")
     u = (inverse_factor(h) if factor is None else factor).to(w.device, torch.float32)
     imp = _group_weights(torch.diagonal(h).float(), cols, s.group_size).to(w.device)
     codes, scales, biases = [], [], []

@@ -24,8 +24,11 @@ from deltaserve.engine.llm import LLM  # noqa: E402
 PROMPTS = Path(__file__).resolve().parents[2] / "deltaserve" / "bench" / "gate_prompts.json"
 
 
-def logits_of(model_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    llm = LLM(model_dir, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+def load(model_dir: str) -> LLM:
+    return LLM(model_dir, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+
+
+def logits_of(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -58,18 +61,18 @@ def main():
     for spec in args.models:
         if "=" not in spec or not all(spec.partition("=")[::2]):
             ap.error(f"models are NAME=DIR, got {spec!r}")
-    ref = LLM(args.against, dtype="float32", prefix_cache_bytes=0, tensor_parallel_size=1)
+    ref = load(args.against)
     texts = json.loads(PROMPTS.read_text())["prompts"]
     prompts = [ref.tokenizer.encode(p["text"]) for p in texts]
+    base = logits_of(ref, prompts)
     del ref
-    base = logits_of(args.against, prompts)
     record = {"kind": "teacher-forced-quality", "against": args.against,
               "git_commit": git_commit(), "torch": torch.__version__,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "prompts": [p["id"] for p in texts],
               "models": {}}
     for spec in args.models:
         name, _, folder = spec.partition("=")
-        record["models"][name] = {"dir": folder, **compare(logits_of(folder, prompts), base)}
+        record["models"][name] = {"dir": folder, **compare(logits_of(load(folder), prompts), base)}
         print(json.dumps({name: record["models"][name]}), flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
 
