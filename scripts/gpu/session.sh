@@ -22,6 +22,7 @@
 #                                       # from a CUDA graph (prefill_capture.py); q1 decode again
 #   bash scripts/gpu/session.sh magic   # the GEMV's byte-permute conversions: tests, chain sweep,
 #                                       # a grid barrier's cost (grid_barrier_probe.py), decode tok/s
+#   bash scripts/gpu/session.sh persistent  # the layer GEMVs as one persistent kernel vs PDL
 #   bash scripts/gpu/session.sh wide    # wide programs in tile / early PDL mode (qgemv_chain sweeps)
 #   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
 #   TEST_PATHS="tests/ops" bash scripts/gpu/session.sh suite  # gpu tests of some paths
@@ -202,6 +203,12 @@ q1)  # issue 4: the q1 GEMV (bit sums per word first), a quick launch sweep, the
     python3 -m deltaserve bench --model /tmp/q08 --device cuda --decode-tokens 128 --formats q1 \
         --prefill-lens "" --peer none --out "$OUT/bench-q1.json" 2>&1 \
         | grep -E "^(decode|roofline)" | cut -c1-200
+    ;;
+persistent)  # issue 4: the model's 96 layer GEMVs as one persistent kernel with grid barriers,
+    # the next GEMV's tile prefetched into registers before each barrier, against the engine's
+    # PDL chain in the same run (scripts/gpu/persistent_chain.py; PC_ARGS: its options)
+    timeout "${PC_S:-420}" python3 scripts/gpu/persistent_chain.py ${PC_ARGS:-} \
+        --out "$OUT/persistent-chain.json" 2>&1 | grep -v -i warn | cut -c1-600 | tail -40
     ;;
 magic)  # issue 4: the quantized GEMV's byte-permute conversions (MAGIC 2): parity tests, then
     # per-shape and model chains with the tile-mode sweep over launch shapes x conversions
