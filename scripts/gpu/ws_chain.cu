@@ -1,0 +1,227 @@
+// Issue 4 experiment (scripts/gpu/ws_chain.py): a chain of int8 GEMVs (group 64, fp32 scales,
+// y = W x with W [N, K] row-major codes) as ONE persistent kernel, warp-specialised.
+//
+// One CTA per SM. The last warp is the producer: one lane streams this CTA's weight chunks
+// (R_p consecutive rows of GEMV p: codes and scales are each one contiguous range, so one bulk
+// copy each, cp.async.bulk into a ring of STAGES shared-memory slots, mbarrier-tracked) for every
+// GEMV of the chain in order, never waiting on the grid: weights are static. The consumer warps,
+// per GEMV: wait at the grid barrier until every CTA finished GEMV p-1 (a counter; its output is
+// this GEMV's x), copy x into shared memory, then per chunk of theirs wait for its slot, dot its
+// rows with x, free the slot, store y; then arrive. So DRAM keeps streaming while the consumers
+// wait at barriers, up to the ring's size (the Triton persistent kernel could only hold the next
+// tile in registers, and spilled).
+//
+// A chunk is rows x K: each warp item is one row's 512-column segment; lane l reads the codes
+// at columns 128 j + 4 l (j = 0..3, one 32-bit word each) and x there (one float4): both
+// conflict-free in shared memory. Group 64 = 16 lanes x 4 codes, so a lane's word j belongs to
+// group 8 seg + 2 j + l / 16.
+// No headers: NVRTC has no standard library here (same-type typedefs may repeat one).
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef signed char int8_t;
+
+#ifndef NUM_STAGES
+#define NUM_STAGES 10
+#endif
+#ifndef CW
+#define CW 8
+#endif
+
+struct Phase {
+  const int8_t* w;  // this GEMV's codes [n, k]
+  const float* s;   // scales [n, k / 64]
+  const float* x;   // input [k]
+  float* y;         // output [n]
+  int n, k, r, pad; // rows, columns, rows per chunk
+};
+
+constexpr int CODES_MAX = 16384;
+constexpr int SCALES_MAX = 1024;
+constexpr int STAGE_BYTES = CODES_MAX + SCALES_MAX;
+constexpr int X_MAX = 4096;
+constexpr int SEG = 512;
+constexpr int G = 64;
+constexpr int MAX_ITEMS = 64;
+constexpr unsigned SPIN_LIMIT = 1u << 20;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// Bounded: a wait that never completes sets flag[0] and returns (a wrong result, flagged, not
+// a hung device).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, unsigned* flag) {
+  uint32_t done = 0;
+  for (unsigned t = 0; t < SPIN_LIMIT; ++t) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+  }
+  atomicExch(flag, 1u);
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+}
+
+// 2**23 + 128 + q as fp32 from byte i of (word ^ 0x80808080), minus that offset: the code q.
+__device__ __forceinline__ float code_at(uint32_t t, uint32_t sel) {
+  uint32_t f;
+  asm("prmt.b32 %0, %1, 0x4B000000, %2;" : "=r"(f) : "r"(t), "r"(sel));
+  return __uint_as_float(f) - 8388736.0f;
+}
+
+__device__ __forceinline__ float dot4(uint32_t word, float4 x) {
+  uint32_t t = word ^ 0x80808080u;
+  float acc = code_at(t, 0x7540) * x.x;
+  acc = fmaf(code_at(t, 0x7541), x.y, acc);
+  acc = fmaf(code_at(t, 0x7542), x.z, acc);
+  return fmaf(code_at(t, 0x7543), x.w, acc);
+}
+
+__device__ void produce(const Phase* phases, int num_phases, unsigned char* stages,
+                        uint64_t* full, uint64_t* empty, unsigned* flag) {
+  int it = 0;
+  for (int p = 0; p < num_phases; ++p) {
+    const Phase ph = phases[p];
+    const int chunks = (ph.n + ph.r - 1) / ph.r, ng = ph.k / G;
+    for (int c = blockIdx.x; c < chunks; c += gridDim.x, ++it) {
+      const int slot = it % NUM_STAGES;
+      if (it >= NUM_STAGES) mbar_wait(&empty[slot], ((it / NUM_STAGES) - 1) & 1, flag);
+      const int r0 = c * ph.r, rows = min(ph.r, ph.n - r0);
+      const uint32_t cb = rows * ph.k, sb = rows * ng * 4;
+      unsigned char* dst = stages + slot * STAGE_BYTES;
+      mbar_expect_tx(&full[slot], cb + sb);
+      bulk_copy(dst, ph.w + static_cast<size_t>(r0) * ph.k, cb, &full[slot]);
+      bulk_copy(dst + CODES_MAX, ph.s + static_cast<size_t>(r0) * ng, sb, &full[slot]);
+    }
+  }
+}
+
+// One chunk's rows dotted with xs; partial sums per (row, segment) into part; returns nothing:
+// the caller syncs, frees the slot and reduces.
+__device__ __forceinline__ void chunk_items(const unsigned char* codes, const float* sc,
+                                            const float* xs, float* part, int rows, int k,
+                                            int ng, int warp, int lane) {
+  const int segs = k / SEG, items = rows * segs;
+  for (int item = warp; item < items; item += CW) {
+    const int row = item / segs, seg = item % segs;
+    const unsigned char* rc = codes + row * k + seg * SEG + 4 * lane;
+    const float* rx = xs + seg * SEG + 4 * lane;
+    const float* rs = sc + row * ng + seg * (SEG / G) + (lane >> 4);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(rc + 128 * j);
+      const float4 x = *reinterpret_cast<const float4*>(rx + 128 * j);
+      acc = fmaf(dot4(word, x), rs[2 * j], acc);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) part[item] = acc;
+  }
+}
+
+__device__ void consume(const Phase* phases, int num_phases, unsigned char* stages, float* xs,
+                        float* part, uint64_t* full, uint64_t* empty, unsigned* counter) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  int it = 0;
+  for (int p = 0; p < num_phases; ++p) {
+    const Phase ph = phases[p];
+    const int chunks = (ph.n + ph.r - 1) / ph.r, ng = ph.k / G, segs = ph.k / SEG;
+    if (p > 0) {  // grid barrier: every CTA has stored its rows of GEMV p - 1
+      if (tid == 0) {
+        const unsigned target = gridDim.x * p;
+        unsigned t = 0;
+        while (ld_acquire(counter) < target) {
+          if (++t > SPIN_LIMIT) {
+            atomicExch(counter + 1, 1u);
+            break;
+          }
+        }
+      }
+      consumer_sync();
+    }
+    for (int i = tid; i < ph.k / 4; i += CW * 32)
+      reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(ph.x) + i);
+    consumer_sync();
+    for (int c = blockIdx.x; c < chunks; c += gridDim.x, ++it) {
+      const int slot = it % NUM_STAGES;
+      mbar_wait(&full[slot], (it / NUM_STAGES) & 1, counter + 1);
+      const unsigned char* codes = stages + slot * STAGE_BYTES;
+      const int r0 = c * ph.r, rows = min(ph.r, ph.n - r0);
+      float* pp = part + (it & 1) * MAX_ITEMS;
+      chunk_items(codes, reinterpret_cast<const float*>(codes + CODES_MAX), xs, pp, rows, ph.k,
+                  ng, warp, lane);
+      consumer_sync();
+      if (tid == 0) mbar_arrive(&empty[slot]);
+      if (tid < rows) {
+        float y = 0.0f;
+        for (int s = 0; s < segs; ++s) y += pp[tid * segs + s];
+        ph.y[r0 + tid] = y;
+      }
+    }
+    consumer_sync();  // this CTA's stores of GEMV p precede its arrival
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    }
+  }
+}
+
+// counter[0]: arrivals (zeroed before the launch); counter[1]: set when a bounded wait gave up.
+extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1)
+    ws_chain(const Phase* __restrict__ phases, int num_phases, unsigned* counter) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* stages = smem;
+  float* xs = reinterpret_cast<float*>(smem + NUM_STAGES * STAGE_BYTES);
+  float* part = xs + X_MAX;
+  uint64_t* full = reinterpret_cast<uint64_t*>(part + 2 * MAX_ITEMS);
+  uint64_t* empty = full + NUM_STAGES;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x / 32 == CW) {
+    if (threadIdx.x % 32 == 0) produce(phases, num_phases, stages, full, empty, counter + 1);
+    return;
+  }
+  consume(phases, num_phases, stages, xs, part, full, empty, counter);
+}

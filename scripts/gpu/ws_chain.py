@@ -1,0 +1,135 @@
+"""Issue 4 experiment: the model's 96 int8 layer GEMVs as one warp-specialised persistent CUDA
+kernel (scripts/gpu/ws_chain.cu: a producer warp streams every GEMV's weights through a ring of
+shared-memory slots by bulk copies, never waiting on the grid; consumer warps wait at a grid
+barrier per GEMV), against the engine's PDL chain of 96 Triton kernels on the same weights, in
+the same run. Writes one JSON record.
+
+    python3 scripts/gpu/ws_chain.py --out $OUT/ws-chain.json [--configs 10:8,6:8,10:4]
+
+Needs CuPy (NVRTC) on the machine: this is a measurement, not an engine path. The chain is
+persistent_chain.py's (qgemv_chain.py's model chain: 24 layers, 8224 / 5120 x 1024, 1024 x 2048,
+7168 x 1024, 1024 x 3584; GEMV i reads row i of a buffer, writes row i + 1). Checked as there:
+every step against dequantize-then-F.linear on its actual input, written rows poisoned first.
+Configs: STAGES:consumer warps.
+"""
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from persistent_chain import LAYERS, MATS, check, layer_n, stacked  # noqa: E402
+from qgemv_chain import Chain, git_commit, nbytes, time_chain  # noqa: E402
+
+from deltaserve.bench.gpu import copy_bandwidth_gbs, cuda_median_s, gpu_state  # noqa: E402
+from deltaserve.quant.schemes import FORMATS  # noqa: E402
+
+SRC = Path(__file__).with_name("ws_chain.cu")
+STAGE_BYTES, X_MAX, MAX_ITEMS, SEG = 16384 + 1024, 4096, 64, 512
+
+
+class WSChain:
+    """The kernel over `mats` (int8), reading / writing `bufs` [97, 1, width] as Chain does."""
+
+    def __init__(self, mats: list[dict], bufs: torch.Tensor, stages: int, warps: int):
+        import cupy as cp
+
+        self.cp, self.scheme, self.bufs, self.warps = cp, FORMATS["int8"], bufs, warps
+        opts = ("--std=c++17", f"-DNUM_STAGES={stages}", f"-DCW={warps}")
+        self.kern = cp.RawModule(code=SRC.read_text(), options=opts).get_function("ws_chain")
+        self.smem = stages * STAGE_BYTES + 4 * X_MAX + 8 * MAX_ITEMS + 16 * stages
+        self.kern.max_dynamic_shared_size_bytes = self.smem
+        self.ctas = torch.cuda.get_device_properties(0).multi_processor_count
+        self.counter = torch.zeros(2, dtype=torch.int32, device="cuda")
+        words = []
+        for layer in range(LAYERS):
+            for m, (_, k) in enumerate(MATS):
+                i, n = 4 * layer + m, layer_n(m, layer)
+                rows = 16384 // k  # a chunk: at most 16 KB of codes
+                if k % SEG or k > X_MAX or rows * (k // 64) * 4 > 1024:
+                    raise ValueError(f"shape {n}x{k} does not fit the kernel's chunk layout")
+                words += [mats[m]["weight"][layer].data_ptr(), mats[m]["scales"][layer].data_ptr(),
+                          bufs[i, 0].data_ptr(), bufs[i + 1, 0].data_ptr(), n | (k << 32), rows]
+        self.table = torch.tensor(words, dtype=torch.int64, device="cuda")
+        self.num_phases = 4 * LAYERS
+
+    def launch(self) -> None:
+        self.counter.zero_()
+        cp = self.cp
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.kern((self.ctas,), ((self.warps + 1) * 32,),
+                      (np.uint64(self.table.data_ptr()), np.int32(self.num_phases),
+                       np.uint64(self.counter.data_ptr())), shared_mem=self.smem)
+
+
+def steps_of(mats: list[dict]) -> list[tuple[dict, int, int]]:
+    return [({key: v[layer, :layer_n(m, layer)] for key, v in mats[m].items()},
+             layer_n(m, layer), MATS[m][1]) for layer in range(LAYERS) for m in range(4)]
+
+
+def time_ws(run: WSChain, steps, copy_gbs: float) -> dict:
+    run.launch()
+    torch.cuda.synchronize()
+    if int(run.counter[1].item()):
+        raise RuntimeError("a bounded wait gave up on the first launch")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run.launch()
+    sec = cuda_median_s(graph.replay, 50)
+    total = sum(nbytes(p, k) for p, _, k in steps)
+    gbs = total / sec / 1e9
+    out = {"chain_us": sec * 1e6, "us_per_gemv": sec * 1e6 / len(steps), "bytes": total,
+           "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs,
+           "max_rel_err": check(run, run.bufs, steps, graph), "smem_bytes": run.smem}
+    del graph
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="10:8,6:8,10:4,10:12", help="STAGES:consumer warps")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rec = {"kind": "h200-ws-gemv-chain", "git_commit": git_commit(),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "gpu_before": gpu_state(), "errors": [], "variants": {}}
+    rec["copy_gbs"] = copy_bandwidth_gbs(torch.device("cuda"))
+    print(json.dumps({"copy_gbs": rec["copy_gbs"]}), flush=True)
+    mats = stacked("int8", seed=11)
+    width = max(max(n, k) for n, k in MATS)
+    bufs = torch.randn(4 * LAYERS + 1, 1, width, device="cuda")
+    steps = steps_of(mats)
+    chain = Chain("int8", [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
+    chain.bufs = bufs
+    todo = [("engine", None)] + [(f"ws_{c.replace(':', '_')}", c) for c in args.configs.split(",")]
+    for key, cfg in todo:
+        try:
+            if cfg is None:
+                res = time_chain(chain, "engine", rec["copy_gbs"])
+                res.pop("final")
+            else:
+                stages, warps = (int(v) for v in cfg.split(":"))
+                res = time_ws(WSChain(mats, bufs, stages, warps), steps, rec["copy_gbs"])
+                res.update(stages=stages, consumer_warps=warps)
+            rec["variants"][key] = res
+            print(json.dumps({"variant": key, **res}), flush=True)
+        except Exception as exc:
+            rec["errors"].append({"where": key, "error": repr(exc)[:400],
+                                  "trace": traceback.format_exc()[-1500:]})
+            print(json.dumps(rec["errors"][-1]), flush=True)
+        Path(args.out).write_text(json.dumps(rec))
+    rec["gpu_after"] = gpu_state()
+    Path(args.out).write_text(json.dumps(rec))
+    print(json.dumps({"errors": len(rec["errors"])}))
+
+
+if __name__ == "__main__":
+    main()
