@@ -26,6 +26,11 @@ typedef signed char int8_t;
 #ifndef CW
 #define CW 8
 #endif
+// MODE (time attribution; the results of 1-3 are wrong by design and not checked): 0 the chain;
+// 1 consumers skip the dot (slots still waited for and freed); 2 no grid barrier; 3 neither.
+#ifndef MODE
+#define MODE 0
+#endif
 
 struct Phase {
   const int8_t* w;  // this GEMV's codes [n, k]
@@ -162,7 +167,7 @@ __device__ void consume(const Phase* phases, int num_phases, unsigned char* stag
   for (int p = 0; p < num_phases; ++p) {
     const Phase ph = phases[p];
     const int chunks = (ph.n + ph.r - 1) / ph.r, ng = ph.k / G, segs = ph.k / SEG;
-    if (p > 0) {  // grid barrier: every CTA has stored its rows of GEMV p - 1
+    if (p > 0 && !(MODE & 2)) {  // grid barrier: every CTA has stored its rows of GEMV p - 1
       if (tid == 0) {
         const unsigned target = gridDim.x * p;
         unsigned t = 0;
@@ -184,8 +189,9 @@ __device__ void consume(const Phase* phases, int num_phases, unsigned char* stag
       const unsigned char* codes = stages + slot * STAGE_BYTES;
       const int r0 = c * ph.r, rows = min(ph.r, ph.n - r0);
       float* pp = part + (it & 1) * MAX_ITEMS;
-      chunk_items(codes, reinterpret_cast<const float*>(codes + CODES_MAX), xs, pp, rows, ph.k,
-                  ng, warp, lane);
+      if (!(MODE & 1))
+        chunk_items(codes, reinterpret_cast<const float*>(codes + CODES_MAX), xs, pp, rows, ph.k,
+                    ng, warp, lane);
       consumer_sync();
       if (tid == 0) mbar_arrive(&empty[slot]);
       if (tid < rows) {
