@@ -26,8 +26,9 @@ typedef signed char int8_t;
 #ifndef CW
 #define CW 8
 #endif
-// MODE (time attribution; the results of 1-3 are wrong by design and not checked): 0 the chain;
-// 1 consumers skip the dot (slots still waited for and freed); 2 no grid barrier; 3 neither.
+// MODE bits (time attribution; results of any bit set are wrong by design and not checked): 1
+// consumers skip the dot (slots still waited for and freed); 2 no grid-barrier wait; 4 no fence
+// before the arrival (the counter still counts).
 #ifndef MODE
 #define MODE 0
 #endif
@@ -202,7 +203,7 @@ __device__ void consume(const Phase* phases, int num_phases, unsigned char* stag
     }
     consumer_sync();  // this CTA's stores of GEMV p precede its arrival
     if (tid == 0) {
-      __threadfence();
+      if (!(MODE & 4)) __threadfence();
       atomicAdd(counter, 1u);
     }
   }

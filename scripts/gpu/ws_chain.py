@@ -98,9 +98,9 @@ def time_ws(run: WSChain, steps, copy_gbs: float, checked: bool = True) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default="10:8,10:12,10:16,10:8:1,10:8:2,10:8:3,10:16:1",
-                    help="STAGES:consumer warps[:MODE] (ws_chain.cu: 1 no dot, 2 no grid "
-                         "barrier, 3 neither; those are timed, not checked)")
+    ap.add_argument("--configs", default="10:8,10:16,10:8:1,10:8:2,10:8:3,10:8:4,10:8:5,10:8:7",
+                    help="STAGES:consumer warps[:MODE] (ws_chain.cu's bits: 1 no dot, 2 no grid "
+                         "barrier wait, 4 no fence; those are timed, not checked)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     rec = {"kind": "h200-ws-gemv-chain", "git_commit": git_commit(),
