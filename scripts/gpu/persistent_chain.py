@@ -23,6 +23,11 @@ Variants: PREFETCH 1 (the next tile before the barrier), 2 (its first K half onl
 registers), 0 (each tile loaded after its barrier); PER_SM 1 / 2; warps; registers capped so
 that PER_SM programs fit on an SM (maxnreg). Checked: every step against dequantize-then-
 F.linear on its actual input, the written rows poisoned with NaN before the replay checked.
+
+Measured 2026-12-01 (BENCHMARKS.md, issue 4, "the 96 layer GEMVs as one persistent kernel"):
+slower than the PDL chain in every variant (int8 366-625 us against 266; int4 790-1,158 against
+329). PREFETCH 1 spills at the 128-register cap, and the dot of a 64 KB tile runs after the
+barrier, unoverlapped.
 """
 
 import argparse
