@@ -32,6 +32,19 @@ typedef signed char int8_t;
 #ifndef MODE
 #define MODE 0
 #endif
+// V2 1: the handoff as tagged words (each y value stored with its step's tag in one 8-byte word,
+// as NCCL's LL protocol does; the next GEMV's consumers poll the x words they need: no fence, no
+// counter) and the dot a row per warp (one shuffle reduction per row, two segments in flight,
+// slots freed per warp). 0: the counter barrier and per-segment items above.
+#ifndef V2
+#define V2 0
+#endif
+#ifndef CODES_BYTES
+#define CODES_BYTES 16384
+#endif
+#ifndef SCALES_BYTES
+#define SCALES_BYTES 1024
+#endif
 
 struct Phase {
   const int8_t* w;  // this GEMV's codes [n, k]
@@ -41,8 +54,8 @@ struct Phase {
   int n, k, r, pad; // rows, columns, rows per chunk
 };
 
-constexpr int CODES_MAX = 16384;
-constexpr int SCALES_MAX = 1024;
+constexpr int CODES_MAX = CODES_BYTES;
+constexpr int SCALES_MAX = SCALES_BYTES;
 constexpr int STAGE_BYTES = CODES_MAX + SCALES_MAX;
 constexpr int X_MAX = 4096;
 constexpr int SEG = 512;
@@ -209,9 +222,121 @@ __device__ void consume(const Phase* phases, int num_phases, unsigned char* stag
   }
 }
 
+
+__device__ __forceinline__ unsigned long long ld_relaxed_b64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_b64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// One row's dot with xs: lane l takes the words at 128 j + 4 l of every 512-column segment, two
+// segments in flight; one shuffle reduction. Every lane returns the row's sum.
+__device__ __forceinline__ float row_dot(const unsigned char* rc, const float* rs, const float* xs,
+                                         int segs, int lane) {
+  float acc0 = 0.0f, acc1 = 0.0f;
+  int seg = 0;
+  for (; seg + 1 < segs; seg += 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c0 = seg * SEG + 128 * j + 4 * lane, g0 = seg * (SEG / G) + 2 * j + (lane >> 4);
+      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(rc + c0);
+      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(rc + c0 + SEG);
+      const float4 x0 = *reinterpret_cast<const float4*>(xs + c0);
+      const float4 x1 = *reinterpret_cast<const float4*>(xs + c0 + SEG);
+      acc0 = fmaf(dot4(w0, x0), rs[g0], acc0);
+      acc1 = fmaf(dot4(w1, x1), rs[g0 + SEG / G], acc1);
+    }
+  }
+  if (seg < segs) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c0 = seg * SEG + 128 * j + 4 * lane, g0 = seg * (SEG / G) + 2 * j + (lane >> 4);
+      acc0 = fmaf(dot4(*reinterpret_cast<const uint32_t*>(rc + c0),
+                       *reinterpret_cast<const float4*>(xs + c0)), rs[g0], acc0);
+    }
+  }
+  float acc = acc0 + acc1;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
+// x of GEMV p > 0 from the tagged words GEMV p - 1 wrote: every thread loads all of its words at
+// once, and polls again until each carries the tag (one L2 round trip per poll).
+__device__ __forceinline__ void load_tagged_x(const unsigned long long* src, unsigned tag, int k,
+                                              float* xs, unsigned* flag) {
+  constexpr int PER = X_MAX / (CW * 32);
+  unsigned long long v[PER];
+  for (unsigned t = 0;; ++t) {
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = threadIdx.x + j * CW * 32;
+      if (i < k) {
+        v[j] = ld_relaxed_b64(src + i);
+        ok &= static_cast<unsigned>(v[j] >> 32) == tag;
+      }
+    }
+    if (ok) break;
+    if (t > SPIN_LIMIT) {
+      atomicExch(flag, 1u);
+      break;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * CW * 32;
+    if (i < k) xs[i] = __uint_as_float(static_cast<unsigned>(v[j]));
+  }
+}
+
+__device__ void consume_v2(const Phase* phases, int num_phases, unsigned char* stages, float* xs,
+                           uint64_t* full, uint64_t* empty, unsigned* counter,
+                           unsigned long long* ll, int ll_stride, unsigned epoch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int it = 0;
+  for (int p = 0; p < num_phases; ++p) {
+    const Phase ph = phases[p];
+    const int chunks = (ph.n + ph.r - 1) / ph.r, ng = ph.k / G, segs = ph.k / SEG;
+    if (p == 0) {
+      for (int i = threadIdx.x; i < ph.k / 4; i += CW * 32)
+        reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(ph.x) + i);
+    } else {
+      load_tagged_x(ll + static_cast<size_t>(p) * ll_stride, (epoch << 8) | p, ph.k, xs,
+                    counter + 1);
+    }
+    consumer_sync();
+    unsigned long long* out = ll + static_cast<size_t>(p + 1) * ll_stride;
+    const unsigned long long tag = static_cast<unsigned long long>((epoch << 8) | (p + 1)) << 32;
+    for (int c = blockIdx.x; c < chunks; c += gridDim.x, ++it) {
+      const int slot = it % NUM_STAGES;
+      mbar_wait(&full[slot], (it / NUM_STAGES) & 1, counter + 1);
+      const unsigned char* codes = stages + slot * STAGE_BYTES;
+      const float* sc = reinterpret_cast<const float*>(codes + CODES_MAX);
+      const int r0 = c * ph.r, rows = min(ph.r, ph.n - r0);
+      for (int row = warp; row < rows; row += CW) {
+        const float y = (MODE & 1) ? 0.0f : row_dot(codes + row * ph.k, sc + row * ng, xs, segs,
+                                                     lane);
+        if (lane == 0) {
+          ph.y[r0 + row] = y;  // the plain row, for the check
+          st_relaxed_b64(out + r0 + row, tag | __float_as_uint(y));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);  // counted per warp (CW arrivals)
+    }
+    consumer_sync();  // xs is rewritten by the next GEMV
+  }
+}
+
 // counter[0]: arrivals (zeroed before the launch); counter[1]: set when a bounded wait gave up.
 extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1)
-    ws_chain(const Phase* __restrict__ phases, int num_phases, unsigned* counter) {
+    ws_chain(const Phase* __restrict__ phases, int num_phases, unsigned* counter,
+             unsigned long long* ll, int ll_stride, const unsigned* epoch_ptr) {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* stages = smem;
   float* xs = reinterpret_cast<float*>(smem + NUM_STAGES * STAGE_BYTES);
@@ -221,7 +346,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 1);
+      mbar_init(&empty[s], V2 ? CW : 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -230,5 +355,9 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1)
     if (threadIdx.x % 32 == 0) produce(phases, num_phases, stages, full, empty, counter + 1);
     return;
   }
+#if V2
+  consume_v2(phases, num_phases, stages, xs, full, empty, counter, ll, ll_stride, *epoch_ptr);
+#else
   consume(phases, num_phases, stages, xs, part, full, empty, counter);
+#endif
 }

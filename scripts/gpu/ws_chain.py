@@ -10,7 +10,7 @@ Needs CuPy (NVRTC) on the machine: this is a measurement, not an engine path. Th
 persistent_chain.py's (qgemv_chain.py's model chain: 24 layers, 8224 / 5120 x 1024, 1024 x 2048,
 7168 x 1024, 1024 x 3584; GEMV i reads row i of a buffer, writes row i + 1). Checked as there:
 every step against dequantize-then-F.linear on its actual input, written rows poisoned first.
-Configs: STAGES:consumer warps[:MODE].
+Configs: STAGES:consumer warps[:MODE[:V2]].
 
 Measured 2026-12-01 (BENCHMARKS.md, issue 4): 448-527 us against the PDL chain's 263. By MODE,
 the dot costs 1.8-2.6 us per GEMV after the handoff, the fence 0.5-0.75, the barrier wait
@@ -36,29 +36,37 @@ from deltaserve.bench.gpu import copy_bandwidth_gbs, cuda_median_s, gpu_state  #
 from deltaserve.quant.schemes import FORMATS  # noqa: E402
 
 SRC = Path(__file__).with_name("ws_chain.cu")
-STAGE_BYTES, X_MAX, MAX_ITEMS, SEG = 16384 + 1024, 4096, 64, 512
+X_MAX, MAX_ITEMS, SEG = 4096, 64, 512
+# shared-memory bytes of one ring slot's codes and scales: V2 takes 8-row chunks of the
+# 3584-wide down projection (28 KB), so that each of 8 warps has a row
+SLOT = {0: (16384, 1024), 1: (28672, 2048)}
 
 
 class WSChain:
     """The kernel over `mats` (int8), reading / writing `bufs` [97, 1, width] as Chain does."""
 
     def __init__(self, mats: list[dict], bufs: torch.Tensor, stages: int, warps: int,
-                 mode: int = 0):
+                 mode: int = 0, v2: int = 0):
         import cupy as cp
 
         self.cp, self.scheme, self.bufs, self.warps = cp, FORMATS["int8"], bufs, warps
-        opts = ("--std=c++17", f"-DNUM_STAGES={stages}", f"-DCW={warps}", f"-DMODE={mode}")
+        codes, scales = SLOT[v2]
+        opts = ("--std=c++17", f"-DNUM_STAGES={stages}", f"-DCW={warps}", f"-DMODE={mode}",
+                f"-DV2={v2}", f"-DCODES_BYTES={codes}", f"-DSCALES_BYTES={scales}")
         self.kern = cp.RawModule(code=SRC.read_text(), options=opts).get_function("ws_chain")
-        self.smem = stages * STAGE_BYTES + 4 * X_MAX + 8 * MAX_ITEMS + 16 * stages
+        self.smem = stages * (codes + scales) + 4 * X_MAX + 8 * MAX_ITEMS + 16 * stages
         self.kern.max_dynamic_shared_size_bytes = self.smem
         self.ctas = torch.cuda.get_device_properties(0).multi_processor_count
         self.counter = torch.zeros(2, dtype=torch.int32, device="cuda")
+        self.epoch = torch.zeros(1, dtype=torch.int32, device="cuda")  # tags differ per launch
+        self.ll = torch.zeros(bufs.shape[0], bufs.shape[-1], dtype=torch.int64, device="cuda")
         words = []
         for layer in range(LAYERS):
             for m, (_, k) in enumerate(MATS):
                 i, n = 4 * layer + m, layer_n(m, layer)
-                rows = 16384 // k  # a chunk: at most 16 KB of codes
-                if k % SEG or k > X_MAX or rows * (k // 64) * 4 > 1024:
+                rows = min(16, codes // k)  # a chunk's rows: whole rows per warp in V2
+                rows = rows // 8 * 8 if rows >= 8 else rows
+                if k % SEG or k > X_MAX or rows * (k // 64) * 4 > scales:
                     raise ValueError(f"shape {n}x{k} does not fit the kernel's chunk layout")
                 words += [mats[m]["weight"][layer].data_ptr(), mats[m]["scales"][layer].data_ptr(),
                           bufs[i, 0].data_ptr(), bufs[i + 1, 0].data_ptr(), n | (k << 32), rows]
@@ -67,11 +75,14 @@ class WSChain:
 
     def launch(self) -> None:
         self.counter.zero_()
+        self.epoch.add_(1)
         cp = self.cp
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.kern((self.ctas,), ((self.warps + 1) * 32,),
                       (np.uint64(self.table.data_ptr()), np.int32(self.num_phases),
-                       np.uint64(self.counter.data_ptr())), shared_mem=self.smem)
+                       np.uint64(self.counter.data_ptr()), np.uint64(self.ll.data_ptr()),
+                       np.int32(self.ll.shape[1]), np.uint64(self.epoch.data_ptr())),
+                      shared_mem=self.smem)
 
 
 def steps_of(mats: list[dict]) -> list[tuple[dict, int, int]]:
@@ -102,9 +113,9 @@ def time_ws(run: WSChain, steps, copy_gbs: float, checked: bool = True) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default="10:8,10:16,10:8:1,10:8:2,10:8:3,10:8:4,10:8:5,10:8:7",
-                    help="STAGES:consumer warps[:MODE] (ws_chain.cu's bits: 1 no dot, 2 no grid "
-                         "barrier wait, 4 no fence; those are timed, not checked)")
+    ap.add_argument("--configs", default="10:8,6:8:0:1,6:16:0:1,6:8:1:1,4:8:0:1",
+                    help="STAGES:consumer warps[:MODE[:V2]] (ws_chain.cu's MODE bits: 1 no dot, "
+                         "2 no grid barrier wait, 4 no fence; those are timed, not checked)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     rec = {"kind": "h200-ws-gemv-chain", "git_commit": git_commit(),
@@ -125,10 +136,10 @@ def main():
                 res = time_chain(chain, "engine", rec["copy_gbs"])
                 res.pop("final")
             else:
-                stages, warps, mode = ([int(v) for v in cfg.split(":")] + [0])[:3]
-                res = time_ws(WSChain(mats, bufs, stages, warps, mode), steps, rec["copy_gbs"],
-                              checked=mode == 0)
-                res.update(stages=stages, consumer_warps=warps, mode=mode)
+                stages, warps, mode, v2 = ([int(v) for v in cfg.split(":")] + [0, 0])[:4]
+                res = time_ws(WSChain(mats, bufs, stages, warps, mode, v2), steps,
+                              rec["copy_gbs"], checked=mode == 0)
+                res.update(stages=stages, consumer_warps=warps, mode=mode, v2=v2)
             rec["variants"][key] = res
             print(json.dumps({"variant": key, **res}), flush=True)
         except Exception as exc:
