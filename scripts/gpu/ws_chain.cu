@@ -39,6 +39,10 @@ typedef signed char int8_t;
 #ifndef V2
 #define V2 0
 #endif
+// POLL_NS: nanoseconds a tagged-word poll sleeps before polling again (0: none)
+#ifndef POLL_NS
+#define POLL_NS 0
+#endif
 #ifndef CODES_BYTES
 #define CODES_BYTES 16384
 #endif
@@ -271,17 +275,20 @@ __device__ __forceinline__ void load_tagged_x(const unsigned long long* src, uns
                                               float* xs, unsigned* flag) {
   constexpr int PER = X_MAX / (CW * 32);
   unsigned long long v[PER];
-  for (unsigned t = 0;; ++t) {
-    bool ok = true;
+  unsigned missing = 0;  // V2 2 polls again only the words still missing
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = threadIdx.x + j * CW * 32;
-      if (i < k) {
-        v[j] = ld_relaxed_b64(src + i);
-        ok &= static_cast<unsigned>(v[j] >> 32) == tag;
-      }
-    }
-    if (ok) break;
+  for (int j = 0; j < PER; ++j)
+    if (threadIdx.x + j * CW * 32 < k) missing |= 1u << j;
+  const unsigned active = missing;
+  for (unsigned t = 0; missing; ++t) {
+    const unsigned want = V2 >= 2 ? missing : active;  // V2 1 reloads every word per poll
+#pragma unroll
+    for (int j = 0; j < PER; ++j)  // predicated on `want`, fixed per poll: loads in parallel
+      if (want & (1u << j)) v[j] = ld_relaxed_b64(src + threadIdx.x + j * CW * 32);
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if ((want & (1u << j)) && static_cast<unsigned>(v[j] >> 32) == tag) missing &= ~(1u << j);
+    if (missing && POLL_NS) __nanosleep(POLL_NS);
     if (t > SPIN_LIMIT) {
       atomicExch(flag, 1u);
       break;
@@ -291,6 +298,77 @@ __device__ __forceinline__ void load_tagged_x(const unsigned long long* src, uns
   for (int j = 0; j < PER; ++j) {
     const int i = threadIdx.x + j * CW * 32;
     if (i < k) xs[i] = __uint_as_float(static_cast<unsigned>(v[j]));
+  }
+}
+
+// Two rows' dots (rows of one chunk or of two), interleaved: two independent chains per lane.
+__device__ __forceinline__ float2 row_dot2(const unsigned char* ra, const float* sa,
+                                           const unsigned char* rb, const float* sb,
+                                           const float* xs, int segs, int lane) {
+  float acc0 = 0.0f, acc1 = 0.0f;
+  for (int seg = 0; seg < segs; ++seg) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c0 = seg * SEG + 128 * j + 4 * lane, g0 = seg * (SEG / G) + 2 * j + (lane >> 4);
+      const float4 x = *reinterpret_cast<const float4*>(xs + c0);
+      acc0 = fmaf(dot4(*reinterpret_cast<const uint32_t*>(ra + c0), x), sa[g0], acc0);
+      acc1 = fmaf(dot4(*reinterpret_cast<const uint32_t*>(rb + c0), x), sb[g0], acc1);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+  }
+  return make_float2(acc0, acc1);
+}
+
+// V2 2: this CTA's chunks of a GEMV two at a time; warp w takes rows w and w + CW of the pair's
+// rows (the first chunk's, then the second's), so 16 warps have work even on 8-row chunks.
+__device__ __forceinline__ void pair_rows(const Phase& ph, unsigned char* stages, const float* xs,
+                                          uint64_t* full, uint64_t* empty, unsigned* flag,
+                                          unsigned long long* out, unsigned long long tag,
+                                          int it, int c, bool two, int warp, int lane) {
+  const int ng = ph.k / G, segs = ph.k / SEG;
+  const int slot_a = it % NUM_STAGES, slot_b = (it + 1) % NUM_STAGES;
+  mbar_wait(&full[slot_a], (it / NUM_STAGES) & 1, flag);
+  if (two) mbar_wait(&full[slot_b], ((it + 1) / NUM_STAGES) & 1, flag);
+  const int r0a = c * ph.r, rows_a = min(ph.r, ph.n - r0a);
+  const int r0b = r0a + gridDim.x * ph.r, rows_b = two ? min(ph.r, ph.n - r0b) : 0;
+  const unsigned char* ca = stages + slot_a * STAGE_BYTES;
+  const unsigned char* cb = stages + slot_b * STAGE_BYTES;
+  for (int item = warp; item < rows_a + rows_b; item += 2 * CW) {
+    const bool has2 = item + CW < rows_a + rows_b;
+    const int other = has2 ? item + CW : item;  // a repeat of the row when there is no second
+    const unsigned char* base[2];
+    int row[2];
+    const int items[2] = {item, other};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool in_a = items[h] < rows_a;
+      base[h] = in_a ? ca : cb;
+      row[h] = in_a ? items[h] : items[h] - rows_a;
+    }
+    const float2 y = (MODE & 1) ? make_float2(0.0f, 0.0f)
+        : row_dot2(base[0] + row[0] * ph.k,
+                   reinterpret_cast<const float*>(base[0] + CODES_MAX) + row[0] * ng,
+                   base[1] + row[1] * ph.k,
+                   reinterpret_cast<const float*>(base[1] + CODES_MAX) + row[1] * ng, xs, segs,
+                   lane);
+    if (lane == 0) {
+#pragma unroll
+      for (int h = 0; h < (has2 ? 2 : 1); ++h) {
+        const float v = h ? y.y : y.x;
+        const int r = (items[h] < rows_a ? r0a : r0b) + row[h];
+        ph.y[r] = v;
+        st_relaxed_b64(out + r, tag | __float_as_uint(v));
+      }
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    mbar_arrive(&empty[slot_a]);
+    if (two) mbar_arrive(&empty[slot_b]);
   }
 }
 
@@ -312,6 +390,13 @@ __device__ void consume_v2(const Phase* phases, int num_phases, unsigned char* s
     consumer_sync();
     unsigned long long* out = ll + static_cast<size_t>(p + 1) * ll_stride;
     const unsigned long long tag = static_cast<unsigned long long>((epoch << 8) | (p + 1)) << 32;
+    if (V2 >= 2) {
+      const int mine = blockIdx.x < chunks ? (chunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+      for (int i = 0; i < mine; i += 2)
+        pair_rows(ph, stages, xs, full, empty, counter + 1, out, tag, it + i,
+                  blockIdx.x + i * gridDim.x, i + 1 < mine, warp, lane);
+      it += mine;
+    } else
     for (int c = blockIdx.x; c < chunks; c += gridDim.x, ++it) {
       const int slot = it % NUM_STAGES;
       mbar_wait(&full[slot], (it / NUM_STAGES) & 1, counter + 1);

@@ -10,7 +10,7 @@ Needs CuPy (NVRTC) on the machine: this is a measurement, not an engine path. Th
 persistent_chain.py's (qgemv_chain.py's model chain: 24 layers, 8224 / 5120 x 1024, 1024 x 2048,
 7168 x 1024, 1024 x 3584; GEMV i reads row i of a buffer, writes row i + 1). Checked as there:
 every step against dequantize-then-F.linear on its actual input, written rows poisoned first.
-Configs: STAGES:consumer warps[:MODE[:V2]].
+Configs: STAGES:consumer warps[:MODE[:V2[:POLL_NS]]].
 
 Measured 2026-12-01 (BENCHMARKS.md, issue 4): 448-527 us against the PDL chain's 263. By MODE,
 the dot costs 1.8-2.6 us per GEMV after the handoff, the fence 0.5-0.75, the barrier wait
@@ -39,20 +39,21 @@ SRC = Path(__file__).with_name("ws_chain.cu")
 X_MAX, MAX_ITEMS, SEG = 4096, 64, 512
 # shared-memory bytes of one ring slot's codes and scales: V2 takes 8-row chunks of the
 # 3584-wide down projection (28 KB), so that each of 8 warps has a row
-SLOT = {0: (16384, 1024), 1: (28672, 2048)}
+SLOT = {0: (16384, 1024), 1: (28672, 2048), 2: (28672, 2048)}
 
 
 class WSChain:
     """The kernel over `mats` (int8), reading / writing `bufs` [97, 1, width] as Chain does."""
 
     def __init__(self, mats: list[dict], bufs: torch.Tensor, stages: int, warps: int,
-                 mode: int = 0, v2: int = 0):
+                 mode: int = 0, v2: int = 0, poll_ns: int = 0):
         import cupy as cp
 
         self.cp, self.scheme, self.bufs, self.warps = cp, FORMATS["int8"], bufs, warps
         codes, scales = SLOT[v2]
         opts = ("--std=c++17", f"-DNUM_STAGES={stages}", f"-DCW={warps}", f"-DMODE={mode}",
-                f"-DV2={v2}", f"-DCODES_BYTES={codes}", f"-DSCALES_BYTES={scales}")
+                f"-DV2={v2}", f"-DCODES_BYTES={codes}", f"-DSCALES_BYTES={scales}",
+                f"-DPOLL_NS={poll_ns}")
         self.kern = cp.RawModule(code=SRC.read_text(), options=opts).get_function("ws_chain")
         self.smem = stages * (codes + scales) + 4 * X_MAX + 8 * MAX_ITEMS + 16 * stages
         self.kern.max_dynamic_shared_size_bytes = self.smem
@@ -114,7 +115,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="10:8,6:8:0:1,6:16:0:1,6:8:1:1,4:8:0:1",
-                    help="STAGES:consumer warps[:MODE[:V2]] (ws_chain.cu's MODE bits: 1 no dot, "
+                    help="STAGES:consumer warps[:MODE[:V2[:POLL_NS]]] (ws_chain.cu; MODE bits: 1 no dot, "
                          "2 no grid barrier wait, 4 no fence; those are timed, not checked)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -136,10 +137,10 @@ def main():
                 res = time_chain(chain, "engine", rec["copy_gbs"])
                 res.pop("final")
             else:
-                stages, warps, mode, v2 = ([int(v) for v in cfg.split(":")] + [0, 0])[:4]
-                res = time_ws(WSChain(mats, bufs, stages, warps, mode, v2), steps,
+                stages, warps, mode, v2, ns = ([int(v) for v in cfg.split(":")] + [0] * 3)[:5]
+                res = time_ws(WSChain(mats, bufs, stages, warps, mode, v2, ns), steps,
                               rec["copy_gbs"], checked=mode == 0)
-                res.update(stages=stages, consumer_warps=warps, mode=mode, v2=v2)
+                res.update(stages=stages, consumer_warps=warps, mode=mode, v2=v2, poll_ns=ns)
             rec["variants"][key] = res
             print(json.dumps({"variant": key, **res}), flush=True)
         except Exception as exc:
