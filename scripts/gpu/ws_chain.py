@@ -41,8 +41,9 @@ from deltaserve.quant.schemes import FORMATS  # noqa: E402
 SRC = Path(__file__).with_name("ws_chain.cu")
 X_MAX, MAX_ITEMS, SEG = 4096, 64, 512
 # shared-memory bytes of one ring slot's codes and scales: V2 takes 8-row chunks of the
-# 3584-wide down projection (28 KB), so that each of 8 warps has a row
-SLOT = {0: (16384, 1024), 1: (28672, 2048), 2: (28672, 2048)}
+# 3584-wide down projection (28 KB), so that each of 8 warps has a row; 3 is V2 2 (pairs) with
+# V1's 16 KB slots: more, smaller slots for the same shared memory
+SLOT = {0: (16384, 1024), 1: (28672, 2048), 2: (28672, 2048), 3: (16384, 1024)}
 
 
 class WSChain:
@@ -55,7 +56,7 @@ class WSChain:
         self.cp, self.scheme, self.bufs, self.warps = cp, FORMATS["int8"], bufs, warps
         codes, scales = SLOT[v2]
         opts = ("--std=c++17", f"-DNUM_STAGES={stages}", f"-DCW={warps}", f"-DMODE={mode}",
-                f"-DV2={v2}", f"-DCODES_BYTES={codes}", f"-DSCALES_BYTES={scales}",
+                f"-DV2={min(v2, 2)}", f"-DCODES_BYTES={codes}", f"-DSCALES_BYTES={scales}",
                 f"-DPOLL_NS={poll_ns}")
         self.kern = cp.RawModule(code=SRC.read_text(), options=opts).get_function("ws_chain")
         self.smem = stages * (codes + scales) + 4 * X_MAX + 8 * MAX_ITEMS + 16 * stages
