@@ -19,9 +19,9 @@ import torch
 from deltaserve.quant.schemes import (
     AFFINE_ROWS_PER_PASS,
     Scheme,
-    _affine_codes,
-    _group_weights,
+    affine_codes,
     affine_fit,
+    group_weights,
     pack_codes,
 )
 
@@ -63,7 +63,7 @@ def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
     if h.shape != (cols, cols):
         raise ValueError(f"input covariance has shape {list(h.shape)}; the weight has {cols} inputs")
     u = (inverse_factor(h) if factor is None else factor).to(w.device, torch.float32)
-    imp = _group_weights(torch.diagonal(h).float(), cols, s.group_size).to(w.device)
+    imp = group_weights(torch.diagonal(h).float(), cols, s.group_size).to(w.device)
     codes, scales, biases = [], [], []
     for part in w.float().split(AFFINE_ROWS_PER_PASS):
         q, scale, bias = _walk(part.clone(), u, imp, s, scale_dtype)
@@ -91,7 +91,7 @@ def _walk(w: torch.Tensor, u: torch.Tensor, imp: torch.Tensor, s: Scheme,
         sf, bf = scale.float(), bias.float()
         err = torch.empty(rows, size, dtype=w.dtype, device=w.device)
         for j in range(lo, hi):
-            q = _affine_codes(w[:, j].reshape(rows, 1, 1), sf, bf, levels)[:, 0, 0]
+            q = affine_codes(w[:, j].reshape(rows, 1, 1), sf, bf, levels)[:, 0, 0]
             codes[:, j] = q
             e = (w[:, j] - (q * sf[:, 0] + bf[:, 0])) / u[j, j]
             err[:, j - lo] = e

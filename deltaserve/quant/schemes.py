@@ -83,12 +83,12 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         bits = (g >= 0).reshape(rows, cols)
         return {"weight": _pack_bits(bits), "scales": scale}
     levels = (1 << s.bits) - 1
-    imp = None if importance is None else _group_weights(importance, cols, s.group_size)
+    imp = None if importance is None else group_weights(importance, cols, s.group_size)
     codes, scales, biases = [], [], []
     for part in g.split(AFFINE_ROWS_PER_PASS):  # the search's temporaries stay a few 100 MB
         scale, bias = affine_fit(part, levels, scale_dtype, imp) if search else _minmax(
             part, levels, scale_dtype)
-        codes.append(_affine_codes(part, scale.float(), bias.float(), levels))
+        codes.append(affine_codes(part, scale.float(), bias.float(), levels))
         scales.append(scale)
         biases.append(bias)
     q = torch.cat(codes).reshape(rows, cols).to(torch.int64)
@@ -103,7 +103,7 @@ AFFINE_STRETCHES = (-1.0, -0.5, 0.0, 0.5, 1.0)
 AFFINE_REFITS = 2  # then: the best pair's nearest codes, refit by least squares, kept if better
 
 
-def _group_weights(importance: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
+def group_weights(importance: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
     """importance [K] -> [1, G, S] relative to each group's mean (the fit sees relative weights
     only), at least 1e-3; groups without a usable mean (zeros, NaN) weigh every column alike."""
     if importance.shape != (cols,):
@@ -123,7 +123,7 @@ def _minmax(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, lo=None, hi=
     return ((hi - lo) / levels).clamp_min(1e-12).to(scale_dtype), lo.to(scale_dtype)
 
 
-def _affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
+def affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
     """The nearest code of each weight for a group's stored (scale, bias) [R, G] (a constant group's
     scale may round to 0 in fp16: its 0 / 0 codes are 0, the bias alone is the weight)."""
     q = ((g - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, levels)
@@ -131,7 +131,7 @@ def _affine_codes(g, scale, bias, levels: int) -> torch.Tensor:
 
 
 def _affine_err(g, scale, bias, levels: int, imp=None) -> torch.Tensor:
-    q = _affine_codes(g, scale, bias, levels)
+    q = affine_codes(g, scale, bias, levels)
     err = (q * scale.unsqueeze(-1) + bias.unsqueeze(-1) - g).square()
     return (err if imp is None else err * imp).sum(-1)
 
@@ -166,7 +166,7 @@ def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, imp=None)
             per_unit = (levels + AFFINE_STRETCHES[step]) / span
             q = ((g - lo.unsqueeze(-1)) * per_unit.unsqueeze(-1)).round().clamp(0, levels)
         else:
-            q = _affine_codes(g, best_s.float(), best_b.float(), levels)
+            q = affine_codes(g, best_s.float(), best_b.float(), levels)
         scale, bias, usable = _least_squares(g, q, scale_dtype, imp)
         err = _affine_err(g, scale.float().clamp_min(1e-30), bias.float(), levels, imp)
         better = usable & (err < best_err)

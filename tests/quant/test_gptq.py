@@ -16,9 +16,9 @@ from deltaserve.quant.convert import quantizable_names, quantize_checkpoint
 from deltaserve.quant.gptq import DAMP, gptq_quantize, inverse_factor
 from deltaserve.quant.schemes import (
     INT4,
-    _group_weights,
     affine_fit,
     dequantize,
+    group_weights,
     quantize,
     unpack_codes,
 )
@@ -79,7 +79,7 @@ def test_the_blocked_walk_gives_the_naive_codes() -> None:
     10 of 6,144 codes, all in one row after its first flip)."""
     w, _, h = correlated(24, 256, 600, 7)
     w, u = w.double(), inverse_factor(h)
-    imp = _group_weights(torch.diagonal(h), 256, 64).double()
+    imp = group_weights(torch.diagonal(h), 256, 64).double()
     codes, _, _ = gptq._walk(w.clone(), u, imp, INT4, torch.float16)
     naive = naive_codes(w, u, imp)
     assert torch.equal(codes[:, :64].double(), naive[:, :64])
