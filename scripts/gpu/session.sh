@@ -24,6 +24,7 @@
 #                                       # a grid barrier's cost (grid_barrier_probe.py), decode tok/s
 #   bash scripts/gpu/session.sh persistent  # the layer GEMVs as one persistent kernel vs PDL
 #   bash scripts/gpu/session.sh ws      # the same as a warp-specialised CUDA kernel (CuPy)
+#   bash scripts/gpu/session.sh tagged  # the PDL chain with tagged-word handoffs (no gdc_wait)
 #   bash scripts/gpu/session.sh wide    # wide programs in tile / early PDL mode (qgemv_chain sweeps)
 #   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
 #   TEST_PATHS="tests/ops" bash scripts/gpu/session.sh suite  # gpu tests of some paths
@@ -210,6 +211,11 @@ persistent)  # issue 4: the model's 96 layer GEMVs as one persistent kernel with
     # PDL chain in the same run (scripts/gpu/persistent_chain.py; PC_ARGS: its options)
     timeout "${PC_S:-420}" python3 scripts/gpu/persistent_chain.py ${PC_ARGS:-} \
         --out "$OUT/persistent-chain.json" 2>&1 | grep -v -i warn | cut -c1-600 | tail -40
+    ;;
+tagged)  # issue 4: the engine's PDL chain of GEMV kernels with a tagged-word handoff instead of
+    # griddepcontrol.wait (scripts/gpu/tagged_chain.py), then the ws kernel's configs (WS_ARGS)
+    timeout "${TG_S:-240}" python3 scripts/gpu/tagged_chain.py --out "$OUT/tagged-chain.json" \
+        2>&1 | grep -v -i warn | cut -c1-600 | tail -20
     ;;
 ws)  # issue 4: the layer GEMVs as one warp-specialised persistent CUDA kernel (a producer warp
     # streams weights into a shared-memory ring; scripts/gpu/ws_chain.py, CuPy's NVRTC) vs PDL
