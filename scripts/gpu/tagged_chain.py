@@ -50,7 +50,8 @@ SPIN_LIMIT = tl.constexpr(200_000)
 
 @triton.jit
 def _tagged_gemv(W, S, XT, YT, E, FLAG, N, K, step, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, FIRST: tl.constexpr):
+                 BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, FIRST: tl.constexpr,
+                 SLEEP_NS: tl.constexpr):
     """y = W x for int8 W, x and y as tagged words (high 32 bits the tag, low the fp32 bits)."""
     pid = tl.program_id(0)
     if not FIRST:
@@ -67,6 +68,9 @@ def _tagged_gemv(W, S, XT, YT, E, FLAG, N, K, step, G: tl.constexpr, BLOCK_N: tl
     words = tl.load(XT + cols, mask=ok, other=0, volatile=True)
     tries = 0
     while (tl.sum(((words >> 32).to(tl.int32) != tag) & ok) > 0) & (tries < SPIN_LIMIT):
+        if SLEEP_NS > 0:  # back off: a spinning program takes issue slots and L2 from the producer
+            tries = tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; mov.b32 $0, $1;", "=r,r",
+                                              [tries], dtype=tl.int32, is_pure=False, pack=1)
         words = tl.load(XT + cols, mask=ok, other=0, volatile=True)
         tries += 1
     if tries >= SPIN_LIMIT:
@@ -96,13 +100,13 @@ def _prologue(E, XT, X0, K, BLOCK: tl.constexpr):
 class TaggedChain:
     """The chain over `mats` with tagged buffers; `plain` [97, 1, width] fp32 holds x0 (row 0)."""
 
-    def __init__(self, mats: list[dict], plain: torch.Tensor, table: dict):
+    def __init__(self, mats: list[dict], plain: torch.Tensor, table: dict, sleep_ns: int = 0):
         self.mats, self.plain, self.scheme = mats, plain, FORMATS["int8"]
         self.tagged = torch.zeros(plain.shape[0], plain.shape[-1], dtype=torch.int64,
                                   device="cuda")
         self.epoch = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        self.table = table
+        self.table, self.sleep_ns = table, sleep_ns
 
     def launch(self) -> None:
         k0 = MATS[0][1]
@@ -116,7 +120,8 @@ class TaggedChain:
             _tagged_gemv[(triton.cdiv(n, block_n),)](
                 self.mats[m]["weight"][layer], self.mats[m]["scales"][layer], self.tagged[i],
                 self.tagged[i + 1], self.epoch, self.flag, n, k, i, G=64, BLOCK_N=block_n,
-                BLOCK_K=block_k, MAGIC=magic, FIRST=i == 0, num_warps=warps, launch_pdl=True)
+                BLOCK_K=block_k, MAGIC=magic, FIRST=i == 0, SLEEP_NS=self.sleep_ns,
+                num_warps=warps, launch_pdl=True)
 
     def outputs(self) -> torch.Tensor:
         """The tagged rows' values as fp32 [97, width] (tags stripped)."""
@@ -169,15 +174,18 @@ def main():
     steps = steps_of(mats)
     chain = Chain("int8", [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
     chain.bufs = plain
-    todo = [("engine", None), ("tagged", tq.TUNED_PDL), ("tagged_tuned", tq.TUNED), ("engine", None)]
-    for key, table in todo:
+    todo = [("engine", None, 0), ("tagged", tq.TUNED_PDL, 0), ("tagged_sleep100", tq.TUNED_PDL, 100),
+            ("tagged_sleep500", tq.TUNED_PDL, 500), ("tagged_sleep2000", tq.TUNED_PDL, 2000),
+            ("engine", None, 0)]
+    for key, table, sleep_ns in todo:
         key = key if key not in rec["variants"] else f"{key}_repeat"
         try:
             if table is None:
                 res = time_chain(chain, "engine", rec["copy_gbs"])
                 res.pop("final")
             else:
-                res = time_tagged(TaggedChain(mats, plain, table), steps, rec["copy_gbs"])
+                res = time_tagged(TaggedChain(mats, plain, table, sleep_ns), steps,
+                                  rec["copy_gbs"])
             rec["variants"][key] = res
             print(json.dumps({"variant": key, **res}), flush=True)
         except Exception as exc:
