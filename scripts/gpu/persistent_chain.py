@@ -12,7 +12,8 @@ it waits at barrier i, so DRAM streams while the barrier and x's round trip reso
 
 Each program owns one row tile of every GEMV (BLOCK_N rows, all of K): programs >= tiles of
 every phase, all resident at once (one or two per SM; a grid that could not be resident would
-hang, so the grid is the SM count times PER_SM). Phase p (GEMV p) of a program: issue the loads
+not finish: each spin gives up after 20,000 polls and flags it; so the grid is the SM count
+times PER_SM, registers capped to fit). Phase p (GEMV p) of a program: issue the loads
 of phase p+1's tile; wait until every program has arrived at barrier p-1 (x_p written); load x_p,
 dot it with phase p's tile (loaded one phase earlier), store y_p; a CTA barrier, then arrive
 (release). The chain is the one qgemv_chain.py's model chain runs: 24 layers, in_proj 8224 (every
@@ -190,7 +191,7 @@ class Persistent:
         self.scheme, self.mats, self.bufs = FORMATS[fmt], mats, bufs
         self.progs = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
         self.warps, self.prefetch = warps, prefetch
-        # every program resident at once or the barrier hangs: cap registers to fit PER_SM per SM
+        # every program resident at once, or the barrier's spins give up: cap registers to fit PER_SM
         self.maxnreg = min(255, 65536 // (32 * warps * per_sm)) // 8 * 8
         self.counter = torch.zeros(2, dtype=torch.int32, device="cuda")
         self.blocks = [triton.next_power_of_2(triton.cdiv(n, self.progs)) for n, _ in MATS]

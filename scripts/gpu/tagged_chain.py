@@ -23,7 +23,7 @@ Only valid where each kernel reads nothing but its predecessor's output (true of
 of a decode step, whose norms and residuals would need tags too). int8, TUNED_PDL's launch shapes.
 Checked: every step against dequantize-then-F.linear on its actual input, after poisoning.
 
-Measured 2026-12-01 (BENCHMARKS.md, issue 4): 394-423 us against the PDL chain's 263, a loss.
+Measured 2026-12-01 (BENCHMARKS.md, issue 4): 394-428 us against the PDL chain's 263, a loss.
 """
 
 import argparse
@@ -176,7 +176,8 @@ def main():
     steps = steps_of(mats)
     chain = Chain("int8", [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
     chain.bufs = plain
-    todo = [("engine", None, 0), ("tagged", tq.TUNED_PDL, 0), ("tagged_sleep100", tq.TUNED_PDL, 100),
+    todo = [("engine", None, 0), ("tagged", tq.TUNED_PDL, 0), ("tagged_tuned", tq.TUNED, 0),
+            ("tagged_sleep100", tq.TUNED_PDL, 100),
             ("tagged_sleep500", tq.TUNED_PDL, 500), ("tagged_sleep2000", tq.TUNED_PDL, 2000),
             ("engine", None, 0)]
     for key, table, sleep_ns in todo:

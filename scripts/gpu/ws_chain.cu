@@ -27,15 +27,17 @@ typedef signed char int8_t;
 #define CW 8
 #endif
 // MODE bits (time attribution; results of any bit set are wrong by design and not checked): 1
-// consumers skip the dot (slots still waited for and freed); 2 no grid-barrier wait; 4 no fence
-// before the arrival (the counter still counts).
+// consumers skip the dot (slots still waited for and freed); 2 no grid-barrier wait (V1) / the
+// tags polled once, not waited for (V2); 4 no fence before the arrival (V1; V2 has no fence).
 #ifndef MODE
 #define MODE 0
 #endif
 // V2 1: the handoff as tagged words (each y value stored with its step's tag in one 8-byte word,
 // as NCCL's LL protocol does; the next GEMV's consumers poll the x words they need: no fence, no
 // counter) and the dot a row per warp (one shuffle reduction per row, two segments in flight,
-// slots freed per warp). 0: the counter barrier and per-segment items above.
+// slots freed per warp). V2 2: as 1, with a CTA's chunks taken two at a time (pair_rows) and the
+// polls reloading only the words still missing. 0: the counter barrier and per-segment items
+// (the header above describes V1's consumers). ws_chain.py's "V2 3" is V2 2 in 16 KB slots.
 #ifndef V2
 #define V2 0
 #endif

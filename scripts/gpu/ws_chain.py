@@ -13,7 +13,7 @@ every step against dequantize-then-F.linear on its actual input, written rows po
 Configs: STAGES:consumer warps[:MODE[:V2[:POLL_NS]]].
 
 Measured 2026-12-01 (BENCHMARKS.md, issue 4, "the 96 layer GEMVs as one persistent kernel"):
-- V1 (counter barrier): 448-527 us against the PDL chain's 263-267. By MODE, the dot costs 1.8-2.6
+- V1 (counter barrier): 448-538 us against the PDL chain's 263-267. By MODE, the dot costs 1.8-2.6
   us per GEMV after the handoff, the fence 0.5-0.75 us, the barrier wait 0.3-0.5 us. The ring's
   streaming floor is 160.6 us (77.7% of copy).
 - V2 (tagged words, a row per warp): 336-358 us with 16 warps; 225 us with no dot at all. Still
