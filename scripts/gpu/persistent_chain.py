@@ -33,7 +33,6 @@ barrier, unoverlapped.
 
 import argparse
 import json
-import math
 import sys
 import traceback
 from pathlib import Path
@@ -183,6 +182,75 @@ def layer_n(m: int, layer: int) -> int:
     return (N_ATTN if layer % 4 == 3 else N_GDN) if m == 0 else MATS[m][0]
 
 
+def steps_of(mats: list[dict]) -> list[tuple[dict, int, int]]:
+    """(packed views, N, K) per GEMV in chain order: what the reference and Chain read."""
+    return [({key: v[layer, :layer_n(m, layer)] for key, v in mats[m].items()},
+             layer_n(m, layer), MATS[m][1]) for layer in range(LAYERS) for m in range(4)]
+
+
+def chain_setup(fmt: str):
+    """The chain's stacked weights, its buffer [97, 1, width] (row 0 the first x), its steps, and
+    the engine's PDL chain (qgemv_chain.Chain) over the same weights and buffer."""
+    mats = stacked(fmt, seed=11)
+    width = max(max(n, k) for n, k in MATS)
+    bufs = torch.randn(4 * LAYERS + 1, 1, width, device="cuda")
+    steps = steps_of(mats)
+    chain = Chain(fmt, [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
+    chain.bufs = bufs
+    return mats, bufs, steps, chain
+
+
+def engine_result(chain, copy_gbs: float) -> dict:
+    """The engine's PDL chain (TUNED_PDL, tile mode) timed and checked by qgemv_chain."""
+    res = time_chain(chain, "engine", copy_gbs)
+    res.pop("final")
+    return res
+
+
+def time_graph(launch, steps, copy_gbs: float):
+    """launch() once (compiles), captured into a CUDA graph and timed: (graph, the record's
+    figures). The caller checks through the graph, then drops it."""
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    sec = cuda_median_s(graph.replay, 50)
+    total = sum(nbytes(p, k) for p, _, k in steps)
+    gbs = total / sec / 1e9
+    return graph, {"chain_us": sec * 1e6, "us_per_gemv": sec * 1e6 / len(steps), "bytes": total,
+                   "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs}
+
+
+def new_record(kind: str) -> dict:
+    """A run record: commit, device, versions, GPU state, and the copy bandwidth (printed)."""
+    rec = {"kind": kind, "git_commit": git_commit(), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "gpu_before": gpu_state(),
+           "errors": []}
+    rec["copy_gbs"] = copy_bandwidth_gbs(torch.device("cuda"))
+    print(json.dumps({"copy_gbs": rec["copy_gbs"]}), flush=True)
+    return rec
+
+
+def run_variant(rec: dict, sink: dict, key: str, fn, out: str, where: str = "") -> None:
+    """sink[key] = fn(), printed; a failure is recorded in rec["errors"] and the run goes on; the
+    record is saved either way (a killed run keeps what it measured)."""
+    try:
+        sink[key] = fn()
+        print(json.dumps({"variant": f"{where}{key}", **sink[key]}), flush=True)
+    except Exception as exc:
+        rec["errors"].append({"where": f"{where}{key}", "error": repr(exc)[:400],
+                              "trace": traceback.format_exc()[-1500:]})
+        print(json.dumps(rec["errors"][-1]), flush=True)
+    Path(out).write_text(json.dumps(rec))
+
+
+def finish(rec: dict, out: str) -> None:
+    rec["gpu_after"] = gpu_state()
+    Path(out).write_text(json.dumps(rec))
+    print(json.dumps({"errors": len(rec["errors"])}))
+
+
 class Persistent:
     """The persistent chain over `mats`, reading / writing `bufs` [97, 1, width] as Chain does."""
 
@@ -216,11 +284,6 @@ class Persistent:
             BITS=s.bits, HAS_BIAS=s.has_biases(), MAGIC=magic, PREFETCH=self.prefetch,
             N0_ALT=N_ATTN, **consts, num_warps=self.warps, maxnreg=self.maxnreg)
 
-    def steps(self) -> list[tuple[dict, int, int]]:
-        """(packed views, N, K) per GEMV in chain order: what the reference and Chain read."""
-        return [({key: v[layer, :layer_n(m, layer)] for key, v in self.mats[m].items()},
-                 layer_n(m, layer), MATS[m][1]) for layer in range(LAYERS) for m in range(4)]
-
 
 def check(run, bufs: torch.Tensor, steps, graph) -> float:
     for i, (_, n, _) in enumerate(steps):
@@ -234,19 +297,26 @@ def check(run, bufs: torch.Tensor, steps, graph) -> float:
 
 
 def time_persistent(run: Persistent, steps, copy_gbs: float) -> dict:
-    run.launch()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run.launch()
-    sec = cuda_median_s(graph.replay, 50)
-    total = sum(nbytes(p, k) for p, _, k in steps)
-    gbs = total / sec / 1e9
-    out = {"chain_us": sec * 1e6, "us_per_gemv": sec * 1e6 / len(steps), "bytes": total,
-           "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs,
-           "max_rel_err": check(run, run.bufs, steps, graph)}
-    del graph
+    graph, out = time_graph(run.launch, steps, copy_gbs)
+    out["max_rel_err"] = check(run, run.bufs, steps, graph)
     return out
+
+
+def run_format(rec: dict, fmt: str, configs: list[str], out: str) -> None:
+    """The engine's chain, then each persistent config, on one format's weights."""
+    mats, bufs, steps, chain = chain_setup(fmt)
+    sink = rec["formats"].setdefault(fmt, {"variants": {}})["variants"]
+    run_variant(rec, sink, "engine", lambda: engine_result(chain, rec["copy_gbs"]), out, f"{fmt}/")
+    for cfg in configs:
+        per_sm, warps, pre = (int(v) for v in cfg.split(":"))
+
+        def one(per_sm=per_sm, warps=warps, pre=pre):
+            run = Persistent(fmt, mats, bufs, per_sm, warps, pre)
+            res = time_persistent(run, steps, rec["copy_gbs"])
+            return {**res, "blocks": run.blocks, "programs": run.progs, "maxnreg": run.maxnreg,
+                    "prefetch": pre, "warps": warps}
+
+        run_variant(rec, sink, f"persistent_{cfg.replace(':', '_')}", one, out, f"{fmt}/")
 
 
 def main():
@@ -257,47 +327,12 @@ def main():
                     help="PER_SM:warps:PREFETCH (0 none, 1 tile, 2 first half), comma-separated")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    rec = {"kind": "h200-persistent-gemv-chain", "git_commit": git_commit(),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "gpu_before": gpu_state(), "errors": [], "formats": {}}
-    rec["copy_gbs"] = copy_bandwidth_gbs(torch.device("cuda"))
-    print(json.dumps({"copy_gbs": rec["copy_gbs"]}), flush=True)
+    rec = new_record("h200-persistent-gemv-chain")
+    rec["formats"] = {}
     for fmt in args.formats.split(","):
-        mats = stacked(fmt, seed=11)
-        width = max(max(n, k) for n, k in MATS)
-        bufs = torch.randn(4 * LAYERS + 1, 1, width, device="cuda")
-        r = rec["formats"][fmt] = {"variants": {}}
-        probe = Persistent(fmt, mats, bufs, 1, 16, True)
-        steps = probe.steps()
-        chain = Chain(fmt, [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
-        chain.bufs = bufs
-        for name in ("engine", "persistent"):
-            for cfg in ([None] if name == "engine" else args.configs.split(",")):
-                key = name if cfg is None else f"persistent_{cfg.replace(':', '_')}"
-                try:
-                    if cfg is None:
-                        res = time_chain(chain, "engine", rec["copy_gbs"])
-                        res.pop("final")
-                    else:
-                        per_sm, warps, pre = (int(v) for v in cfg.split(":"))
-                        run = Persistent(fmt, mats, bufs, per_sm, warps, pre)
-                        res = time_persistent(run, steps, rec["copy_gbs"])
-                        res.update(blocks=run.blocks, programs=run.progs, maxnreg=run.maxnreg,
-                                   prefetch=pre, warps=warps)
-                    r["variants"][key] = res
-                    print(json.dumps({"fmt": fmt, "variant": key, **res}), flush=True)
-                except Exception as exc:
-                    rec["errors"].append({"where": f"{fmt}/{key}", "error": repr(exc)[:400],
-                                          "trace": traceback.format_exc()[-1500:]})
-                    print(json.dumps(rec["errors"][-1]), flush=True)
-                Path(args.out).write_text(json.dumps(rec))
-        del mats, bufs, chain
-        torch.cuda.empty_cache()
-    rec["gpu_after"] = gpu_state()
-    Path(args.out).write_text(json.dumps(rec))
-    print(json.dumps({"errors": len(rec["errors"])}))
-    if not math.isfinite(rec["copy_gbs"]):
-        sys.exit(1)
+        run_format(rec, fmt, args.configs.split(","), args.out)
+        torch.cuda.empty_cache()  # the format's weights went with run_format's frame
+    finish(rec, args.out)
 
 
 if __name__ == "__main__":

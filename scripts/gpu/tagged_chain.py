@@ -27,9 +27,7 @@ Measured 2026-12-01 (BENCHMARKS.md, issue 4): 394-428 us against the PDL chain's
 """
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -38,10 +36,19 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from persistent_chain import LAYERS, MATS, layer_n, stacked  # noqa: E402
-from qgemv_chain import Chain, git_commit, nbytes, rel, time_chain  # noqa: E402
+from persistent_chain import (  # noqa: E402
+    LAYERS,
+    MATS,
+    chain_setup,
+    engine_result,
+    finish,
+    layer_n,
+    new_record,
+    run_variant,
+    time_graph,
+)
+from qgemv_chain import rel  # noqa: E402
 
-from deltaserve.bench.gpu import copy_bandwidth_gbs, cuda_median_s, gpu_state  # noqa: E402
 from deltaserve.ops import triton_qgemv as tq  # noqa: E402
 from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait  # noqa: E402
 from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
@@ -130,18 +137,8 @@ class TaggedChain:
         return (self.tagged & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
 
 
-def steps_of(mats: list[dict]) -> list[tuple[dict, int, int]]:
-    return [({key: v[layer, :layer_n(m, layer)] for key, v in mats[m].items()},
-             layer_n(m, layer), MATS[m][1]) for layer in range(LAYERS) for m in range(4)]
-
-
 def time_tagged(run: TaggedChain, steps, copy_gbs: float) -> dict:
-    run.launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run.launch()
-    sec = cuda_median_s(graph.replay, 50)
+    graph, out = time_graph(run.launch, steps, copy_gbs)
     run.tagged[1:].fill_(-1)  # poison: tag -1 never matches, value NaN
     run.flag.zero_()
     graph.replay()
@@ -153,11 +150,8 @@ def time_tagged(run: TaggedChain, steps, copy_gbs: float) -> dict:
     for i, (p, n, k) in enumerate(steps):
         x = (run.plain[0, :, :k] if i == 0 else vals[i, :k].unsqueeze(0))
         err = max(err, rel(vals[i + 1, :n].unsqueeze(0), qgemv_ref(x, p, run.scheme)))
-    total = sum(nbytes(p, k) for p, _, k in steps)
-    gbs = total / sec / 1e9
-    del graph
-    return {"chain_us": sec * 1e6, "us_per_gemv": sec * 1e6 / len(steps), "bytes": total,
-            "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs, "max_rel_err": err}
+    out["max_rel_err"] = err
+    return out
 
 
 def main():
@@ -165,40 +159,22 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    rec = {"kind": "h200-tagged-pdl-gemv-chain", "git_commit": git_commit(),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "gpu_before": gpu_state(), "errors": [], "variants": {}}
-    rec["copy_gbs"] = copy_bandwidth_gbs(torch.device("cuda"))
-    print(json.dumps({"copy_gbs": rec["copy_gbs"]}), flush=True)
-    mats = stacked("int8", seed=11)
-    width = max(max(n, k) for n, k in MATS)
-    plain = torch.randn(4 * LAYERS + 1, 1, width, device="cuda")
-    steps = steps_of(mats)
-    chain = Chain("int8", [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
-    chain.bufs = plain
+    rec = new_record("h200-tagged-pdl-gemv-chain")
+    rec["variants"] = {}
+    mats, plain, steps, chain = chain_setup("int8")
     todo = [("engine", None, 0), ("tagged", tq.TUNED_PDL, 0), ("tagged_tuned", tq.TUNED, 0),
             ("tagged_sleep100", tq.TUNED_PDL, 100),
             ("tagged_sleep500", tq.TUNED_PDL, 500), ("tagged_sleep2000", tq.TUNED_PDL, 2000),
             ("engine", None, 0)]
     for key, table, sleep_ns in todo:
         key = key if key not in rec["variants"] else f"{key}_repeat"
-        try:
-            if table is None:
-                res = time_chain(chain, "engine", rec["copy_gbs"])
-                res.pop("final")
-            else:
-                res = time_tagged(TaggedChain(mats, plain, table, sleep_ns), steps,
-                                  rec["copy_gbs"])
-            rec["variants"][key] = res
-            print(json.dumps({"variant": key, **res}), flush=True)
-        except Exception as exc:
-            rec["errors"].append({"where": key, "error": repr(exc)[:400],
-                                  "trace": traceback.format_exc()[-1500:]})
-            print(json.dumps(rec["errors"][-1]), flush=True)
-        Path(args.out).write_text(json.dumps(rec))
-    rec["gpu_after"] = gpu_state()
-    Path(args.out).write_text(json.dumps(rec))
-    print(json.dumps({"errors": len(rec["errors"])}))
+        if table is None:
+            fn = lambda: engine_result(chain, rec["copy_gbs"])  # noqa: E731
+        else:
+            fn = lambda t=table, ns=sleep_ns: time_tagged(  # noqa: E731
+                TaggedChain(mats, plain, t, ns), steps, rec["copy_gbs"])
+        run_variant(rec, rec["variants"], key, fn, args.out)
+    finish(rec, args.out)
 
 
 if __name__ == "__main__":

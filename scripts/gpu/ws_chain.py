@@ -21,21 +21,27 @@ Measured 2026-12-01 (BENCHMARKS.md, issue 4, "the 96 layer GEMVs as one persiste
 """
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from persistent_chain import LAYERS, MATS, check, layer_n, stacked  # noqa: E402
-from qgemv_chain import Chain, git_commit, nbytes, time_chain  # noqa: E402
+from persistent_chain import (  # noqa: E402
+    LAYERS,
+    MATS,
+    chain_setup,
+    check,
+    engine_result,
+    finish,
+    layer_n,
+    new_record,
+    run_variant,
+    time_graph,
+)
 
-from deltaserve.bench.gpu import copy_bandwidth_gbs, cuda_median_s, gpu_state  # noqa: E402
 from deltaserve.quant.schemes import FORMATS  # noqa: E402
 
 SRC = Path(__file__).with_name("ws_chain.cu")
@@ -90,28 +96,13 @@ class WSChain:
                       shared_mem=self.smem)
 
 
-def steps_of(mats: list[dict]) -> list[tuple[dict, int, int]]:
-    return [({key: v[layer, :layer_n(m, layer)] for key, v in mats[m].items()},
-             layer_n(m, layer), MATS[m][1]) for layer in range(LAYERS) for m in range(4)]
-
-
 def time_ws(run: WSChain, steps, copy_gbs: float, checked: bool = True) -> dict:
-    run.launch()
-    torch.cuda.synchronize()
+    graph, out = time_graph(run.launch, steps, copy_gbs)
     if int(run.counter[1].item()):
-        raise RuntimeError("a bounded wait gave up on the first launch")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run.launch()
-    sec = cuda_median_s(graph.replay, 50)
-    total = sum(nbytes(p, k) for p, _, k in steps)
-    gbs = total / sec / 1e9
-    out = {"chain_us": sec * 1e6, "us_per_gemv": sec * 1e6 / len(steps), "bytes": total,
-           "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs,
-           "smem_bytes": run.smem}
+        raise RuntimeError("a bounded wait gave up")
+    out["smem_bytes"] = run.smem
     if checked:
         out["max_rel_err"] = check(run, run.bufs, steps, graph)
-    del graph
     return out
 
 
@@ -119,42 +110,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="10:8,6:8:0:1,6:16:0:1,6:8:1:1,4:8:0:1",
-                    help="STAGES:consumer warps[:MODE[:V2[:POLL_NS]]] (ws_chain.cu; MODE bits: 1 no dot, "
-                         "2 no grid barrier wait, 4 no fence; those are timed, not checked)")
+                    help="STAGES:consumer warps[:MODE[:V2[:POLL_NS]]] (ws_chain.cu; MODE bits: "
+                         "1 no dot, 2 no grid barrier wait, 4 no fence; those are timed, not "
+                         "checked)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    rec = {"kind": "h200-ws-gemv-chain", "git_commit": git_commit(),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "gpu_before": gpu_state(), "errors": [], "variants": {}}
-    rec["copy_gbs"] = copy_bandwidth_gbs(torch.device("cuda"))
-    print(json.dumps({"copy_gbs": rec["copy_gbs"]}), flush=True)
-    mats = stacked("int8", seed=11)
-    width = max(max(n, k) for n, k in MATS)
-    bufs = torch.randn(4 * LAYERS + 1, 1, width, device="cuda")
-    steps = steps_of(mats)
-    chain = Chain("int8", [(f"s{i}", p, n, k) for i, (p, n, k) in enumerate(steps)])
-    chain.bufs = bufs
-    todo = [("engine", None)] + [(f"ws_{c.replace(':', '_')}", c) for c in args.configs.split(",")]
-    for key, cfg in todo:
-        try:
-            if cfg is None:
-                res = time_chain(chain, "engine", rec["copy_gbs"])
-                res.pop("final")
-            else:
-                stages, warps, mode, v2, ns = ([int(v) for v in cfg.split(":")] + [0] * 3)[:5]
-                res = time_ws(WSChain(mats, bufs, stages, warps, mode, v2, ns), steps,
-                              rec["copy_gbs"], checked=mode == 0)
-                res.update(stages=stages, consumer_warps=warps, mode=mode, v2=v2, poll_ns=ns)
-            rec["variants"][key] = res
-            print(json.dumps({"variant": key, **res}), flush=True)
-        except Exception as exc:
-            rec["errors"].append({"where": key, "error": repr(exc)[:400],
-                                  "trace": traceback.format_exc()[-1500:]})
-            print(json.dumps(rec["errors"][-1]), flush=True)
-        Path(args.out).write_text(json.dumps(rec))
-    rec["gpu_after"] = gpu_state()
-    Path(args.out).write_text(json.dumps(rec))
-    print(json.dumps({"errors": len(rec["errors"])}))
+    rec = new_record("h200-ws-gemv-chain")
+    rec["variants"] = {}
+    mats, bufs, steps, chain = chain_setup("int8")
+    run_variant(rec, rec["variants"], "engine", lambda: engine_result(chain, rec["copy_gbs"]),
+                args.out)
+    for cfg in args.configs.split(","):
+        stages, warps, mode, v2, ns = ([int(v) for v in cfg.split(":")] + [0] * 3)[:5]
+
+        def one(stages=stages, warps=warps, mode=mode, v2=v2, ns=ns):
+            res = time_ws(WSChain(mats, bufs, stages, warps, mode, v2, ns), steps,
+                          rec["copy_gbs"], checked=mode == 0)
+            return {**res, "stages": stages, "consumer_warps": warps, "mode": mode, "v2": v2,
+                    "poll_ns": ns}
+
+        run_variant(rec, rec["variants"], f"ws_{cfg.replace(':', '_')}", one, args.out)
+    finish(rec, args.out)
 
 
 if __name__ == "__main__":
