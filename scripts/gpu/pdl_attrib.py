@@ -19,6 +19,13 @@ pre-wait weight loads, on the same weights and buffer as the engine's chain:
   noweights no weight loads: the wait, x's load and mean, the store (boundary + x + store floor);
   empty     the wait and a store of a constant: the kernel boundary alone.
 nodot / noweights / empty compute no GEMV, so they are timed, not checked.
+
+Lookahead (--lookahead 1,2): a kernel that does the engine's math (ops/triton_qgemv's _weights and
+_step, tile mode, one K-step) and, before its wait, asks L2 for the weights of the GEMV `d` steps
+ahead (one prefetch.global.L2 per 128-byte line, spread over every lane of the grid; the chain
+wraps, as the next token's first layers follow the last). Variants full (d = 0: the same kernel
+without prefetch, against the engine's), full_la{d}, nodot_la{d}. full* are checked against
+dequantize-then-F.linear on each step's actual input, written rows poisoned first.
 """
 
 import argparse
@@ -39,20 +46,71 @@ from persistent_chain import (  # noqa: E402
     run_variant,
     time_graph,
 )
+from qgemv_chain import rel  # noqa: E402
 
 from deltaserve.ops import triton_qgemv as tq  # noqa: E402
 from deltaserve.ops.backend import gdc_launch_dependents, gdc_wait  # noqa: E402
+from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
 from deltaserve.quant.schemes import FORMATS  # noqa: E402
 
 WORK = {"nodot": 1, "noweights": 2, "empty": 3}
 
 
 @triton.jit
-def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_K: tl.constexpr, WORK: tl.constexpr):
-    """One program: BLOCK_N rows. WORK 1 nodot, 2 noweights, 3 empty (module docstring)."""
+def _prefetch_l2(base, num_bytes, LANES: tl.constexpr):
+    """Asks L2 for num_bytes from base (int8 pointer), one 128-byte line per lane and round, the
+    lines spread over every lane of the grid. Nothing waits for it."""
+    pid, progs = tl.program_id(0), tl.num_programs(0)
+    base = base.to(tl.pointer_type(tl.int8))
+    lines = (num_bytes + 127) // 128
+    for j in range(0, tl.cdiv(lines, progs * LANES)):
+        line = (j * progs + pid).to(tl.int64) * LANES + tl.arange(0, LANES)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.lt.s64 p, $2, $3; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,l,l", [base + line * 128, line, lines + tl.zeros_like(line)], dtype=tl.int32,
+            is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS: tl.constexpr, LANES: tl.constexpr):
+    """The lookahead GEMV's codes, scales and biases into L2."""
+    _prefetch_l2(PW, pw_bytes, LANES)
+    _prefetch_l2(PS, ps_bytes, LANES)
+    if HAS_BIAS:
+        _prefetch_l2(PB, ps_bytes, LANES)
+
+
+@triton.jit
+def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, G: tl.constexpr,
+                 BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr,
+                 PF: tl.constexpr):
+    """The engine's tile-mode GEMV (one K-step: BLOCK_K >= K), plus, with PF, the lookahead
+    GEMV's weights asked of L2 first."""
     pid = tl.program_id(0)
+    if PF:
+        _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    q, s, b = tq._weights(W, S, B, rows, row_ok, 0, K, K // G, G, BITS, HAS_BIAS, BLOCK_K)
+    gdc_wait()
+    gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N, BLOCK_K // G], dtype=tl.float32)
+    acc = tq._step(acc, q, s, b, X, X, X, 1.0, 0.0, 0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K,
+                   MAGIC, 0)
+    tl.store(Y + rows, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_bytes, ps_bytes,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, WORK: tl.constexpr,
+                   LANES: tl.constexpr, PF: tl.constexpr):
+    """One program: BLOCK_N rows. WORK 1 nodot, 2 noweights, 3 empty (module docstring); PF: the
+    lookahead GEMV's weights asked of L2 first."""
+    pid = tl.program_id(0)
+    if PF:
+        _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     if WORK == 1:  # the static operands, before the wait, as the engine's tile mode loads them
@@ -78,38 +136,82 @@ def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, HAS_BIAS: tl.cons
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
-class Attrib:
-    """The chain's 96 steps launched with _attrib_kernel in one WORK mode."""
+def launch_shape(scheme, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, MAGIC) the engine launches: TUNED_PDL, whole-K tile."""
+    block_n, block_k, warps, _, magic = tq.whole_k_config(
+        tq.config_for(scheme.bits, n, k, tq.TUNED_PDL), scheme.bits, k)
+    return block_n, max(block_k, scheme.group_size), warps, magic
 
-    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int):
-        self.scheme, self.bufs, self.steps, self.work = FORMATS[fmt], bufs, steps, work
+
+def ahead_args(steps, i: int, ahead: int) -> tuple:
+    """The lookahead GEMV's weight pointers and byte counts (PW, PS, PB, pw_bytes, ps_bytes)."""
+    p = steps[(i + ahead) % len(steps)][0]
+    s = p["scales"]
+    return (p["weight"], s, p.get("biases", s), p["weight"].numel() * p["weight"].element_size(),
+            s.numel() * s.element_size())
+
+
+class Attrib:
+    """The chain's steps launched with _attrib_kernel (WORK 1-3) or _full_kernel (WORK 0), with
+    the lookahead prefetch `ahead` steps on (0: none)."""
+
+    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, ahead: int = 0):
+        self.scheme, self.bufs, self.steps = FORMATS[fmt], bufs, steps
+        self.work, self.ahead = work, ahead
 
     def launch(self) -> None:
         s = self.scheme
         for i, (p, n, k) in enumerate(self.steps):
-            cfg = tq.whole_k_config(tq.config_for(s.bits, n, k, tq.TUNED_PDL), s.bits, k)
-            block_n, _, warps, _, _ = cfg
+            block_n, block_k, warps, magic = launch_shape(s, n, k)
+            if block_k < k:
+                raise ValueError(f"{n}x{k}: the tile is not whole-K ({block_k})")
+            x, y = self.bufs[i, :, :k], self.bufs[i + 1, :, :n]
+            ahead = ahead_args(self.steps, i, self.ahead or 1)
+            common = {"HAS_BIAS": s.has_biases(), "BLOCK_N": block_n, "BLOCK_K": block_k,
+                      "LANES": 32 * warps, "PF": bool(self.ahead), "num_warps": warps,
+                      "launch_pdl": True}
+            grid = (triton.cdiv(n, block_n),)
+            if self.work == 0:
+                _full_kernel[grid](tq._words(p, s), p["scales"], p.get("biases", p["scales"]), x,
+                                   y, n, k, *ahead, G=s.group_size, BITS=s.bits, MAGIC=magic,
+                                   **common)
+                continue
             words = p["weight"].view(torch.int32)
             num_words, num_groups = words.shape[-1], p["scales"].shape[-1]
-            _attrib_kernel[(triton.cdiv(n, block_n),)](
-                words, p["scales"], p.get("biases", p["scales"]), self.bufs[i, :, :k],
-                self.bufs[i + 1, :, :n], n, k, num_words, num_groups,
-                HAS_BIAS=s.has_biases(), BLOCK_N=block_n,
-                BLOCK_W=triton.next_power_of_2(num_words),
-                BLOCK_G=triton.next_power_of_2(num_groups),
-                BLOCK_K=triton.next_power_of_2(k), WORK=self.work, num_warps=warps,
-                launch_pdl=True)
+            _attrib_kernel[grid](words, p["scales"], p.get("biases", p["scales"]), x, y, n, k,
+                                 num_words, num_groups, *ahead,
+                                 BLOCK_W=triton.next_power_of_2(num_words),
+                                 BLOCK_G=triton.next_power_of_2(num_groups), WORK=self.work,
+                                 **common)
+
+    def check(self, graph) -> float:
+        """Poison every written row, replay once, worst step error vs the reference."""
+        for i, (_, n, _) in enumerate(self.steps):
+            self.bufs[i + 1, :, :n].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        return max(rel(self.bufs[i + 1, :, :n], qgemv_ref(self.bufs[i, :, :k], p, self.scheme))
+                   for i, (p, n, k) in enumerate(self.steps))
 
 
-def run_format(rec: dict, fmt: str, out: str) -> None:
+def timed(rec: dict, fmt: str, bufs, steps, work: int, ahead: int) -> dict:
+    run = Attrib(fmt, bufs, steps, work, ahead)
+    graph, res = time_graph(run.launch, steps, rec["copy_gbs"])
+    if work == 0:
+        res["max_rel_err"] = run.check(graph)
+    return res
+
+
+def run_format(rec: dict, fmt: str, aheads: list[int], out: str) -> None:
     _, bufs, steps, chain = chain_setup(fmt)
     sink = rec["formats"].setdefault(fmt, {"variants": {}})["variants"]
     run_variant(rec, sink, "engine", lambda: engine_result(chain, rec["copy_gbs"]), out, f"{fmt}/")
-    for name, work in WORK.items():
-        def one(work=work):
-            _, res = time_graph(Attrib(fmt, bufs, steps, work).launch, steps, rec["copy_gbs"])
-            return res
-        run_variant(rec, sink, name, one, out, f"{fmt}/")
+    variants = [(name, work, 0) for name, work in WORK.items()] + [("full", 0, 0)]
+    variants += [(f"{kind}_la{d}", work, d) for d in aheads
+                 for kind, work in (("full", 0), ("nodot", 1))]
+    for name, work, ahead in variants:
+        run_variant(rec, sink, name, lambda w=work, a=ahead: timed(rec, fmt, bufs, steps, w, a),
+                    out, f"{fmt}/")
     run_variant(rec, sink, "engine_repeat", lambda: engine_result(chain, rec["copy_gbs"]), out,
                 f"{fmt}/")
 
@@ -118,11 +220,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--lookahead", default="1,2", help="lookahead distances, comma-separated")
     args = ap.parse_args()
+    aheads = [int(v) for v in args.lookahead.split(",") if v]
     rec = new_record("h200-pdl-chain-attribution")
     rec["formats"] = {}
     for fmt in args.formats.split(","):
-        run_format(rec, fmt, args.out)
+        run_format(rec, fmt, aheads, args.out)
         torch.cuda.empty_cache()
     finish(rec, args.out)
 
