@@ -81,13 +81,22 @@ def _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS: tl.constexpr, LANES
 
 
 @triton.jit
-def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, G: tl.constexpr,
+def _stamp(dep):
+    """%globaltimer (ns) once dep is computed (the asm takes it as an input)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.constexpr,
                  BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr,
-                 PF: tl.constexpr):
+                 PF: tl.constexpr, TIMED: tl.constexpr):
     """The engine's tile-mode GEMV (one K-step: BLOCK_K >= K), plus, with PF, the lookahead
-    GEMV's weights asked of L2 first."""
+    GEMV's weights asked of L2 first. TIMED: the program's timeline into T[pid] (_timeline)."""
     pid = tl.program_id(0)
+    if TIMED:
+        tl.store(T + pid * 4, _stamp(pid))
     if PF:
         _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,20 +104,36 @@ def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, G: tl.cons
     q, s, b = tq._weights(W, S, B, rows, row_ok, 0, K, K // G, G, BITS, HAS_BIAS, BLOCK_K)
     gdc_wait()
     gdc_launch_dependents()
+    if TIMED:
+        tl.store(T + pid * 4 + 1, _stamp(pid))
     acc = tl.zeros([BLOCK_N, BLOCK_K // G], dtype=tl.float32)
     acc = tq._step(acc, q, s, b, X, X, X, 1.0, 0.0, 0, K, G, BITS, HAS_BIAS, BLOCK_N, BLOCK_K,
                    MAGIC, 0)
-    tl.store(Y + rows, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=row_ok)
+    y = tl.sum(acc, axis=1)
+    if TIMED:
+        _done(T, pid, y, BLOCK_N)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_bytes, ps_bytes,
+def _done(T, pid, y, BLOCK_N: tl.constexpr):
+    """T[pid, 3]: the time row 0's result was ready (the row sums span the program's warps, so
+    every row is ready about then)."""
+    first = tl.arange(0, BLOCK_N) == 0
+    tl.store(T + pid * 4 + 3 + tl.zeros([BLOCK_N], dtype=tl.int32),
+             _stamp(y.to(tl.int32, bitcast=True)), mask=first)
+
+
+@triton.jit
+def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_bytes, ps_bytes, T,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, WORK: tl.constexpr,
-                   LANES: tl.constexpr, PF: tl.constexpr):
+                   LANES: tl.constexpr, PF: tl.constexpr, TIMED: tl.constexpr):
     """One program: BLOCK_N rows. WORK 1 nodot, 2 noweights, 3 empty (module docstring); PF: the
-    lookahead GEMV's weights asked of L2 first."""
+    lookahead GEMV's weights asked of L2 first; TIMED: the timeline into T[pid] (_timeline)."""
     pid = tl.program_id(0)
+    if TIMED:
+        tl.store(T + pid * 4, _stamp(pid))
     if PF:
         _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,14 +150,21 @@ def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_by
             s += tl.load(B + g_off, mask=g_ok, other=0.0).to(tl.float32)
     gdc_wait()
     gdc_launch_dependents()
+    if TIMED:
+        tl.store(T + pid * 4 + 1, _stamp(pid))
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     if WORK <= 2:
         cols = tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y += tl.sum(x, 0) / K
+        x_mean = tl.sum(x, 0) / K
+        if TIMED:
+            tl.store(T + pid * 4 + 2, _stamp(x_mean.to(tl.int32, bitcast=True)))
+        y += x_mean
     if WORK == 1:
         h = tl.xor_sum(q, axis=1)
         y += (h & 0xFFFF).to(tl.float32) * 1e-30 + tl.sum(s, axis=1) * 1e-30
+    if TIMED:
+        _done(T, pid, y, BLOCK_N)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
@@ -155,9 +187,13 @@ class Attrib:
     """The chain's steps launched with _attrib_kernel (WORK 1-3) or _full_kernel (WORK 0), with
     the lookahead prefetch `ahead` steps on (0: none)."""
 
-    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, ahead: int = 0):
+    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, ahead: int = 0,
+                 timeline: bool = False):
         self.scheme, self.bufs, self.steps = FORMATS[fmt], bufs, steps
-        self.work, self.ahead = work, ahead
+        self.work, self.ahead, self.timed = work, ahead, timeline
+        self.programs = [triton.cdiv(n, launch_shape(self.scheme, n, k)[0]) for _, n, k in steps]
+        self.times = torch.zeros(len(steps), max(self.programs), 4, dtype=torch.int64,
+                                 device=bufs.device)
 
     def launch(self) -> None:
         s = self.scheme
@@ -168,18 +204,18 @@ class Attrib:
             x, y = self.bufs[i, :, :k], self.bufs[i + 1, :, :n]
             ahead = ahead_args(self.steps, i, self.ahead or 1)
             common = {"HAS_BIAS": s.has_biases(), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                      "LANES": 32 * warps, "PF": bool(self.ahead), "num_warps": warps,
-                      "launch_pdl": True}
+                      "LANES": 32 * warps, "PF": bool(self.ahead), "TIMED": self.timed,
+                      "num_warps": warps, "launch_pdl": True}
             grid = (triton.cdiv(n, block_n),)
             if self.work == 0:
                 _full_kernel[grid](tq._words(p, s), p["scales"], p.get("biases", p["scales"]), x,
-                                   y, n, k, *ahead, G=s.group_size, BITS=s.bits, MAGIC=magic,
+                                   y, n, k, *ahead, self.times[i], G=s.group_size, BITS=s.bits, MAGIC=magic,
                                    **common)
                 continue
             words = p["weight"].view(torch.int32)
             num_words, num_groups = words.shape[-1], p["scales"].shape[-1]
             _attrib_kernel[grid](words, p["scales"], p.get("biases", p["scales"]), x, y, n, k,
-                                 num_words, num_groups, *ahead,
+                                 num_words, num_groups, *ahead, self.times[i],
                                  BLOCK_W=triton.next_power_of_2(num_words),
                                  BLOCK_G=triton.next_power_of_2(num_groups), WORK=self.work,
                                  **common)
@@ -194,12 +230,44 @@ class Attrib:
                    for i, (p, n, k) in enumerate(self.steps))
 
 
-def timed(rec: dict, fmt: str, bufs, steps, work: int, ahead: int) -> dict:
-    run = Attrib(fmt, bufs, steps, work, ahead)
+def timed(rec: dict, fmt: str, bufs, steps, work: int, ahead: int, timeline: bool = False) -> dict:
+    run = Attrib(fmt, bufs, steps, work, ahead, timeline)
     graph, res = time_graph(run.launch, steps, rec["copy_gbs"])
+    if timeline:
+        run.times.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        res["timeline"] = _timeline(run.times.cpu(), run.programs, steps)
     if work == 0:
         res["max_rel_err"] = run.check(graph)
     return res
+
+
+def _timeline(times: torch.Tensor, programs: list[int], steps) -> dict:
+    """One replay's per-program stamps [step, program, (entry, after the wait, x loaded, result
+    ready)] (ns, %globaltimer) -> per step the first / last of each, in us from the first entry,
+    and their means over the chain: how far step i+1 started before step i ended, how long after
+    step i's last result step i+1 passed its wait, and how long the work after the wait took."""
+    t0 = times[0, :programs[0], 0].min().item()
+    per = []
+    for i, n in enumerate(programs):
+        t = (times[i, :n].double() - t0) / 1e3
+        per.append({"step": i, "n": steps[i][1], "k": steps[i][2], "programs": n,
+                    "entry": [t[:, 0].min().item(), t[:, 0].max().item()],
+                    "waited": [t[:, 1].min().item(), t[:, 1].max().item()],
+                    "x_loaded_last": t[:, 2].max().item() if times[i, :n, 2].any() else None,
+                    "ready": [t[:, 3].min().item(), t[:, 3].max().item()]})
+    gaps = {"next_first_entry_before_end": [], "next_last_entry_after_end": [],
+            "next_first_wait_after_end": [], "last_wait_to_last_ready": [], "period": []}
+    for a, b in zip(per, per[1:], strict=False):
+        end = a["ready"][1]
+        gaps["next_first_entry_before_end"].append(end - b["entry"][0])
+        gaps["next_last_entry_after_end"].append(b["entry"][1] - end)
+        gaps["next_first_wait_after_end"].append(b["waited"][0] - end)
+        gaps["last_wait_to_last_ready"].append(a["ready"][1] - a["waited"][1])
+        gaps["period"].append(b["ready"][1] - end)
+    means = {key: sum(v) / len(v) for key, v in gaps.items()}
+    return {"mean_us": means, "steps": per[:12], "chain_us": per[-1]["ready"][1]}
 
 
 def run_format(rec: dict, fmt: str, aheads: list[int], out: str) -> None:
@@ -212,6 +280,10 @@ def run_format(rec: dict, fmt: str, aheads: list[int], out: str) -> None:
     for name, work, ahead in variants:
         run_variant(rec, sink, name, lambda w=work, a=ahead: timed(rec, fmt, bufs, steps, w, a),
                     out, f"{fmt}/")
+    for name, work in (("full", 0), *WORK.items()):
+        run_variant(rec, sink, f"{name}_timeline",
+                    lambda w=work: timed(rec, fmt, bufs, steps, w, 0, timeline=True), out,
+                    f"{fmt}/")
     run_variant(rec, sink, "engine_repeat", lambda: engine_result(chain, rec["copy_gbs"]), out,
                 f"{fmt}/")
 
