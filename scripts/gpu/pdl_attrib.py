@@ -20,12 +20,17 @@ pre-wait weight loads, on the same weights and buffer as the engine's chain:
   empty     the wait and a store of a constant: the kernel boundary alone.
 nodot / noweights / empty compute no GEMV, so they are timed, not checked.
 
-Lookahead (--lookahead 1,2): a kernel that does the engine's math (ops/triton_qgemv's _weights and
-_step, tile mode, one K-step) and, before its wait, asks L2 for the weights of the GEMV `d` steps
-ahead (one prefetch.global.L2 per 128-byte line, spread over every lane of the grid; the chain
-wraps, as the next token's first layers follow the last). Variants full (d = 0: the same kernel
-without prefetch, against the engine's), full_la{d}, nodot_la{d}. full* are checked against
-dequantize-then-F.linear on each step's actual input, written rows poisoned first.
+Variants (--variants, each KIND[_trigT][_laD][_tl]; the engine's own kernel runs first and last):
+  KIND      full (the engine's math: ops/triton_qgemv's _weights and _step, tile mode, one K-step;
+            checked against dequantize-then-F.linear on each step's actual input, written rows
+            poisoned first), nodot, noweights, empty (above);
+  _trigT    when a program releases the next kernel (griddepcontrol.launch_dependents): 0 after
+            its wait (the engine), 1 once its weights have arrived, before its wait (the release
+            takes an input computed from every loaded word), 2 at entry ("early");
+  _laD      before its wait, ask L2 for the weights of the GEMV D steps ahead (one
+            prefetch.global.L2 per 128-byte line over every lane of the grid; the chain wraps);
+  _tl       one more replay with a %globaltimer stamp per program (entry, after the wait, x
+            loaded, result ready): per step the first and last of each, and means over the chain.
 """
 
 import argparse
@@ -54,6 +59,8 @@ from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
 from deltaserve.quant.schemes import FORMATS  # noqa: E402
 
 WORK = {"nodot": 1, "noweights": 2, "empty": 3}
+DEFAULT_VARIANTS = ["nodot", "noweights", "empty", "full", "full_trig1", "full_trig2",
+                    "nodot_trig1", "full_trig1_tl", "nodot_trig1_tl"]
 
 
 @triton.jit
@@ -88,10 +95,18 @@ def _stamp(dep):
 
 
 @triton.jit
+def _trigger_after(dep):
+    """griddepcontrol.launch_dependents once dep (computed from every loaded weight) is ready:
+    the next kernel may launch when this one's weights have arrived, before its wait."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [dep],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.constexpr,
                  BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr,
-                 PF: tl.constexpr, TIMED: tl.constexpr):
+                 PF: tl.constexpr, TIMED: tl.constexpr, TRIG: tl.constexpr):
     """The engine's tile-mode GEMV (one K-step: BLOCK_K >= K), plus, with PF, the lookahead
     GEMV's weights asked of L2 first. TIMED: the program's timeline into T[pid] (_timeline)."""
     pid = tl.program_id(0)
@@ -101,9 +116,14 @@ def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.c
         _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    if TRIG == 2:
+        gdc_launch_dependents()
     q, s, b = tq._weights(W, S, B, rows, row_ok, 0, K, K // G, G, BITS, HAS_BIAS, BLOCK_K)
+    if TRIG == 1:
+        _trigger_after(tl.xor_sum(tl.xor_sum(q.to(tl.int32), axis=1), axis=0))
     gdc_wait()
-    gdc_launch_dependents()
+    if TRIG == 0:
+        gdc_launch_dependents()
     if TIMED:
         tl.store(T + pid * 4 + 1, _stamp(pid))
     acc = tl.zeros([BLOCK_N, BLOCK_K // G], dtype=tl.float32)
@@ -128,7 +148,8 @@ def _done(T, pid, y, BLOCK_N: tl.constexpr):
 def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_bytes, ps_bytes, T,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, WORK: tl.constexpr,
-                   LANES: tl.constexpr, PF: tl.constexpr, TIMED: tl.constexpr):
+                   LANES: tl.constexpr, PF: tl.constexpr, TIMED: tl.constexpr,
+                   TRIG: tl.constexpr):
     """One program: BLOCK_N rows. WORK 1 nodot, 2 noweights, 3 empty (module docstring); PF: the
     lookahead GEMV's weights asked of L2 first; TIMED: the timeline into T[pid] (_timeline)."""
     pid = tl.program_id(0)
@@ -148,8 +169,13 @@ def _attrib_kernel(W, S, B, X, Y, N, K, NUM_WORDS, NUM_GROUPS, PW, PS, PB, pw_by
         s = tl.load(S + g_off, mask=g_ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             s += tl.load(B + g_off, mask=g_ok, other=0.0).to(tl.float32)
+        if TRIG == 1:
+            _trigger_after(tl.xor_sum(tl.xor_sum(q, axis=1), axis=0))
+    if TRIG == 2 or (TRIG == 1 and WORK != 1):
+        gdc_launch_dependents()
     gdc_wait()
-    gdc_launch_dependents()
+    if TRIG == 0:
+        gdc_launch_dependents()
     if TIMED:
         tl.store(T + pid * 4 + 1, _stamp(pid))
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -188,9 +214,9 @@ class Attrib:
     the lookahead prefetch `ahead` steps on (0: none)."""
 
     def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, ahead: int = 0,
-                 timeline: bool = False):
+                 timeline: bool = False, trig: int = 0):
         self.scheme, self.bufs, self.steps = FORMATS[fmt], bufs, steps
-        self.work, self.ahead, self.timed = work, ahead, timeline
+        self.work, self.ahead, self.timed, self.trig = work, ahead, timeline, trig
         self.programs = [triton.cdiv(n, launch_shape(self.scheme, n, k)[0]) for _, n, k in steps]
         self.times = torch.zeros(len(steps), max(self.programs), 4, dtype=torch.int64,
                                  device=bufs.device)
@@ -205,6 +231,7 @@ class Attrib:
             ahead = ahead_args(self.steps, i, self.ahead or 1)
             common = {"HAS_BIAS": s.has_biases(), "BLOCK_N": block_n, "BLOCK_K": block_k,
                       "LANES": 32 * warps, "PF": bool(self.ahead), "TIMED": self.timed,
+                      "TRIG": self.trig,
                       "num_warps": warps, "launch_pdl": True}
             grid = (triton.cdiv(n, block_n),)
             if self.work == 0:
@@ -230,10 +257,16 @@ class Attrib:
                    for i, (p, n, k) in enumerate(self.steps))
 
 
-def timed(rec: dict, fmt: str, bufs, steps, work: int, ahead: int, timeline: bool = False) -> dict:
-    run = Attrib(fmt, bufs, steps, work, ahead, timeline)
+def timed(rec: dict, fmt: str, bufs, steps, spec: str) -> dict:
+    """One variant, spec KIND[_trigT][_laD][_tl] (module docstring), timed, its timeline taken
+    with _tl, checked where it computes the GEMV."""
+    parts = spec.split("_")
+    opts = {p[:2]: p[2:] for p in parts[1:]}
+    work = 0 if parts[0] == "full" else WORK[parts[0]]
+    run = Attrib(fmt, bufs, steps, work, int(opts.get("la", 0)), "tl" in opts,
+                 int(opts.get("tr", "ig0")[2:]))
     graph, res = time_graph(run.launch, steps, rec["copy_gbs"])
-    if timeline:
+    if run.timed:
         run.times.zero_()
         graph.replay()
         torch.cuda.synchronize()
@@ -270,19 +303,12 @@ def _timeline(times: torch.Tensor, programs: list[int], steps) -> dict:
     return {"mean_us": means, "steps": per[:12], "chain_us": per[-1]["ready"][1]}
 
 
-def run_format(rec: dict, fmt: str, aheads: list[int], out: str) -> None:
+def run_format(rec: dict, fmt: str, variants: list[str], out: str) -> None:
     _, bufs, steps, chain = chain_setup(fmt)
     sink = rec["formats"].setdefault(fmt, {"variants": {}})["variants"]
     run_variant(rec, sink, "engine", lambda: engine_result(chain, rec["copy_gbs"]), out, f"{fmt}/")
-    variants = [(name, work, 0) for name, work in WORK.items()] + [("full", 0, 0)]
-    variants += [(f"{kind}_la{d}", work, d) for d in aheads
-                 for kind, work in (("full", 0), ("nodot", 1))]
-    for name, work, ahead in variants:
-        run_variant(rec, sink, name, lambda w=work, a=ahead: timed(rec, fmt, bufs, steps, w, a),
-                    out, f"{fmt}/")
-    for name, work in (("full", 0), *WORK.items()):
-        run_variant(rec, sink, f"{name}_timeline",
-                    lambda w=work: timed(rec, fmt, bufs, steps, w, 0, timeline=True), out,
+    for spec in variants:
+        run_variant(rec, sink, spec, lambda v=spec: timed(rec, fmt, bufs, steps, v), out,
                     f"{fmt}/")
     run_variant(rec, sink, "engine_repeat", lambda: engine_result(chain, rec["copy_gbs"]), out,
                 f"{fmt}/")
@@ -292,13 +318,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int8,int4")
-    ap.add_argument("--lookahead", default="1,2", help="lookahead distances, comma-separated")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help="KIND[_trigT][_laD][_tl], comma-separated (module docstring)")
     args = ap.parse_args()
-    aheads = [int(v) for v in args.lookahead.split(",") if v]
     rec = new_record("h200-pdl-chain-attribution")
     rec["formats"] = {}
     for fmt in args.formats.split(","):
-        run_format(rec, fmt, aheads, args.out)
+        run_format(rec, fmt, args.variants.split(","), args.out)
         torch.cuda.empty_cache()
     finish(rec, args.out)
 
