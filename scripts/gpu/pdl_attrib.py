@@ -29,11 +29,16 @@ Variants (--variants, each KIND[_trigT][_laD][_tl]; the engine's own kernel runs
             takes an input computed from every loaded word), 2 at entry ("early");
   _laD      before its wait, ask L2 for the weights of the GEMV D steps ahead (one
             prefetch.global.L2 per 128-byte line over every lane of the grid; the chain wraps);
+  _gateD    released at entry ("early"), then each program spins (a volatile load of a counter,
+            _sleepN: nanosleep N ns between polls) until every program of the GEMV D steps back
+            has finished, before loading its weights: the launch latency hidden, the weight
+            streams in flight bounded to D GEMVs (full only; counters zeroed by a memset node);
   _tl       one more replay with a %globaltimer stamp per program (entry, after the wait, x
             loaded, result ready): per step the first and last of each, and means over the chain.
 """
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -59,8 +64,8 @@ from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
 from deltaserve.quant.schemes import FORMATS  # noqa: E402
 
 WORK = {"nodot": 1, "noweights": 2, "empty": 3}
-DEFAULT_VARIANTS = ["nodot", "noweights", "empty", "full", "full_trig1", "full_trig2",
-                    "nodot_trig1", "full_trig1_tl", "nodot_trig1_tl"]
+DEFAULT_VARIANTS = ["full", "full_trig2_tl", "full_gate2", "full_gate2_sleep200", "full_gate3",
+                    "full_gate3_sleep200", "full_gate2_tl", "full_gate4_sleep200"]
 
 
 @triton.jit
@@ -103,15 +108,22 @@ def _trigger_after(dep):
 
 
 @triton.jit
-def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.constexpr,
-                 BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr,
-                 PF: tl.constexpr, TIMED: tl.constexpr, TRIG: tl.constexpr):
+def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, CNT, GATE_AT,
+                 gate_target, G: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr,
+                 LANES: tl.constexpr, PF: tl.constexpr, TIMED: tl.constexpr,
+                 TRIG: tl.constexpr, GATE: tl.constexpr, SLEEP: tl.constexpr):
     """The engine's tile-mode GEMV (one K-step: BLOCK_K >= K), plus, with PF, the lookahead
-    GEMV's weights asked of L2 first. TIMED: the program's timeline into T[pid] (_timeline)."""
+    GEMV's weights asked of L2 first. TIMED: the program's timeline into T[pid] (_timeline).
+    GATE: released at entry, then no weight load until GATE_AT (the counter of the GEMV GATE
+    steps back) reaches gate_target (its program count); this GEMV's own counter CNT counts
+    its finished programs."""
     pid = tl.program_id(0)
     if TIMED:
         tl.store(T + pid * 4, _stamp(pid))
+    if GATE:
+        gdc_launch_dependents()
+        _gate(GATE_AT, gate_target, SLEEP)
     if PF:
         _prefetch_next(PW, PS, PB, pw_bytes, ps_bytes, HAS_BIAS, LANES)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,7 +134,7 @@ def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.c
     if TRIG == 1:
         _trigger_after(tl.xor_sum(tl.xor_sum(q.to(tl.int32), axis=1), axis=0))
     gdc_wait()
-    if TRIG == 0:
+    if TRIG == 0 and GATE == 0:
         gdc_launch_dependents()
     if TIMED:
         tl.store(T + pid * 4 + 1, _stamp(pid))
@@ -133,6 +145,24 @@ def _full_kernel(W, S, B, X, Y, N, K, PW, PS, PB, pw_bytes, ps_bytes, T, G: tl.c
     if TIMED:
         _done(T, pid, y, BLOCK_N)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+    if GATE:
+        tl.atomic_add(CNT, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gate(C, target, SLEEP: tl.constexpr):
+    """Spin until C reaches target (relaxed: it orders no data, only when the weights stream). A
+    bounded spin: past ~200k polls it sets C[1] and goes on (flagged, rather than a hung device)."""
+    seen = tl.load(C, volatile=True)
+    tries = 0
+    while (seen < target) & (tries < 200_000):
+        if SLEEP:
+            tries = tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP}; mov.b32 $0, $1;", "=r,r",
+                                              [tries], dtype=tl.int32, is_pure=False, pack=1)
+        seen = tl.load(C, volatile=True)
+        tries += 1
+    if seen < target:
+        tl.atomic_xchg(C + 1, 1)
 
 
 @triton.jit
@@ -213,16 +243,26 @@ class Attrib:
     """The chain's steps launched with _attrib_kernel (WORK 1-3) or _full_kernel (WORK 0), with
     the lookahead prefetch `ahead` steps on (0: none)."""
 
-    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, ahead: int = 0,
-                 timeline: bool = False, trig: int = 0):
-        self.scheme, self.bufs, self.steps = FORMATS[fmt], bufs, steps
-        self.work, self.ahead, self.timed, self.trig = work, ahead, timeline, trig
+    def __init__(self, fmt: str, bufs: torch.Tensor, steps, work: int, opts: dict):
+        self.scheme, self.bufs, self.steps, self.work = FORMATS[fmt], bufs, steps, work
+        self.ahead, self.timed, self.trig = opts.get("la", 0), "tl" in opts, opts.get("trig", 0)
+        self.gate, self.sleep = opts.get("gate", 0), opts.get("sleep", 0)
+        self.counters = torch.zeros(len(steps) * 32, dtype=torch.int32, device=bufs.device)
         self.programs = [triton.cdiv(n, launch_shape(self.scheme, n, k)[0]) for _, n, k in steps]
         self.times = torch.zeros(len(steps), max(self.programs), 4, dtype=torch.int64,
                                  device=bufs.device)
 
+    def gate_args(self, i: int) -> tuple:
+        """CNT (this step's counter), GATE_AT (the counter GATE steps back), gate_target."""
+        cnt = self.counters[i * 32:]
+        if not self.gate or i < self.gate:
+            return cnt, cnt[2:], 0
+        return cnt, self.counters[(i - self.gate) * 32:], self.programs[i - self.gate]
+
     def launch(self) -> None:
         s = self.scheme
+        if self.gate:  # a memset node: each replay counts from zero
+            self.counters.zero_()
         for i, (p, n, k) in enumerate(self.steps):
             block_n, block_k, warps, magic = launch_shape(s, n, k)
             if block_k < k:
@@ -236,7 +276,8 @@ class Attrib:
             grid = (triton.cdiv(n, block_n),)
             if self.work == 0:
                 _full_kernel[grid](tq._words(p, s), p["scales"], p.get("biases", p["scales"]), x,
-                                   y, n, k, *ahead, self.times[i], G=s.group_size, BITS=s.bits, MAGIC=magic,
+                                   y, n, k, *ahead, self.times[i], *self.gate_args(i), G=s.group_size,
+                                   BITS=s.bits, MAGIC=magic, GATE=self.gate, SLEEP=self.sleep,
                                    **common)
                 continue
             words = p["weight"].view(torch.int32)
@@ -253,6 +294,8 @@ class Attrib:
             self.bufs[i + 1, :, :n].fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        if self.counters.view(-1, 32)[:, 1].any():
+            raise RuntimeError("a gate's spin gave up")
         return max(rel(self.bufs[i + 1, :, :n], qgemv_ref(self.bufs[i, :, :k], p, self.scheme))
                    for i, (p, n, k) in enumerate(self.steps))
 
@@ -261,10 +304,11 @@ def timed(rec: dict, fmt: str, bufs, steps, spec: str) -> dict:
     """One variant, spec KIND[_trigT][_laD][_tl] (module docstring), timed, its timeline taken
     with _tl, checked where it computes the GEMV."""
     parts = spec.split("_")
-    opts = {p[:2]: p[2:] for p in parts[1:]}
+    opts = {m[1]: int(m[2] or 0) for m in (re.fullmatch(r"([a-z]+)(\d*)", p) for p in parts[1:])}
     work = 0 if parts[0] == "full" else WORK[parts[0]]
-    run = Attrib(fmt, bufs, steps, work, int(opts.get("la", 0)), "tl" in opts,
-                 int(opts.get("tr", "ig0")[2:]))
+    if opts.get("gate") and work:
+        raise ValueError("gate: full only")
+    run = Attrib(fmt, bufs, steps, work, opts)
     graph, res = time_graph(run.launch, steps, rec["copy_gbs"])
     if run.timed:
         run.times.zero_()
