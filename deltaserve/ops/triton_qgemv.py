@@ -16,7 +16,9 @@ int4 codes do not (its bound is the integer shift/mask work, not the conversion)
 same fp32 2**23 + code with one PTX byte permute (prmt) per code: for int8 it replaces an extract
 and an add, for int4 a shift and a mask per nibble (two masks and a shift per word remain). In one
 sweep of the PDL chains it was 2-4% faster on 4 of 5 int8 shapes (5120 rows keeps MAGIC 1) and 3-13%
-on every int4 shape; TUNED_PDL takes it where it won.
+on every int4 shape; TUNED_PDL takes it where it won. MAGIC 4 (int4) builds 0.5 + n / 32 instead (the nibble
+under 0x3F000000, one shift and mask per word half, one prmt per nibble) and multiplies it into x
+as is: no subtraction per nibble, sum(x) / 2 comes off once per group (int8 reads 4 as 2).
 
 PDL mode (qgemv_cuda(..., pdl=...), Hopper): a layer's 2-8 MB matrix streams in ~1 us, less than
 one launch plus the first DRAM round trip, so back-to-back GEMVs are launch/latency bound. Launched
@@ -51,6 +53,21 @@ if triton is not None:
             "=r,=r,=r,=r,=r,=r,=r,=r,r", [q], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
 
     @triton.jit
+    def _nibbles_half(q):
+        """int4 words -> 8 fp32 tensors 0.5 + nibble j / 32 (lowest bits first): each nibble
+        moved to bits 3-6 of its byte (a shift and a mask per word and half), then one byte
+        permute per nibble puts that byte under 0x3F: 0x3F000000 | n << 19. No subtraction per
+        nibble: the caller takes sum(x) / 2 off each group's dot once (MAGIC 4)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; shl.b32 lo, $8, 3; and.b32 lo, lo, 0x78787878; "
+            "shr.b32 hi, $8, 1; and.b32 hi, hi, 0x78787878; "
+            "prmt.b32 $0, lo, 0x3F000000, 0x7044; prmt.b32 $1, hi, 0x3F000000, 0x7044; "
+            "prmt.b32 $2, lo, 0x3F000000, 0x7144; prmt.b32 $3, hi, 0x3F000000, 0x7144; "
+            "prmt.b32 $4, lo, 0x3F000000, 0x7244; prmt.b32 $5, hi, 0x3F000000, 0x7244; "
+            "prmt.b32 $6, lo, 0x3F000000, 0x7344; prmt.b32 $7, hi, 0x3F000000, 0x7344; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [q], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
     def _bytes_magic(q):
         """int8 codes (four to a register) -> fp32 2**23 + 128 + q: the sign bit flipped once per
         four codes, then one byte permute per code (PTX prmt) puts it under 0x4B."""
@@ -65,7 +82,7 @@ if triton is not None:
         """Codes to fp32. MAGIC: put the code into the mantissa of 2**23 and subtract, two full-rate
         ops instead of an int-to-float conversion (a quarter-rate unit on recent GPUs); MAGIC 2
         (int8) builds 2**23 + 128 + q with one byte permute instead of an extract and an add."""
-        if MAGIC == 2 and BITS == 8:
+        if MAGIC >= 2 and BITS == 8:  # int8 reads MAGIC 4 (an int4 form) as 2
             out = _bytes_magic(q) - 8388736.0
         elif MAGIC:
             if BITS == 8:  # int8 q: 0x4B000080 + q is 2**23 + 128 + q as fp32 bits, exactly
@@ -129,18 +146,27 @@ if triton is not None:
             prod = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             if MAGIC == 2:  # all 8 nibbles of each word at once (_nibbles_magic)
                 nib = _nibbles_magic(q)
+            elif MAGIC == 4:  # 0.5 + n / 32 (_nibbles_half)
+                nib = _nibbles_half(q)
             for j in tl.static_range(8):
                 xj = x_at(X, R, NW, wcols * 8 + j, w_ok, K, rstd, offset, XMODE)
                 if MAGIC == 2:
                     prod += (nib[j] - 8388608.0) * xj[None, :]
+                elif MAGIC == 4:
+                    prod += nib[j] * xj[None, :]
                 else:
                     prod += _to_float((q >> (4 * j)) & 0xF, 4, MAGIC) * xj[None, :]
             part = tl.sum(tl.reshape(prod, (BLOCK_N, NG, G // 8)), axis=2)
-        acc += part * s
-        if HAS_BIAS:
+        if HAS_BIAS or (BITS == 4 and MAGIC == 4):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = x_at(X, R, NW, cols, cols < K, K, rstd, offset, XMODE)
-            acc += b * tl.sum(tl.reshape(x, (NG, G)), axis=1)[None, :]
+            x_sum = tl.sum(tl.reshape(x, (NG, G)), axis=1)[None, :]
+        if BITS == 4 and MAGIC == 4:  # sum((0.5 + n/32) x) - sum(x) / 2 = sum(n x) / 32, per group
+            acc += (part - 0.5 * x_sum) * (s * 32.0)
+        else:
+            acc += part * s
+        if HAS_BIAS:
+            acc += b * x_sum
         return acc
 
     @triton.jit

@@ -69,7 +69,7 @@ GDN = [("in_proj", 8224, 1024), ("out_proj", 1024, 2048), ("gate_up", 7168, 1024
 ATTN = [("qkv", 5120, 1024), ("o_proj", 1024, 2048), ("gate_up", 7168, 1024),
         ("down", 1024, 3584)]
 LAYERS = 24
-FORMATS_RUN = ("int8", "int4")
+FORMATS_RUN = ["int8", "int4"]  # --formats
 # (BLOCK_N, num_warps) tried per shape in tile-mode PDL (--sweep)
 SWEEP = [(2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]
 SWEEP_MAGIC: list[int] = []  # --magic: the MAGIC values swept (default: the usual one and 2)
@@ -532,7 +532,9 @@ def main():
                     help="SWEEP's (BLOCK_N:warps) pairs, e.g. 8:4,16:4")
     ap.add_argument("--magic", default="", help="MAGIC values to sweep, e.g. 1,2")
     ap.add_argument("--sweep-pdl", default="tile", choices=("tile", "early"))
+    ap.add_argument("--formats", default="int8,int4")
     args = ap.parse_args()
+    FORMATS_RUN[:] = args.formats.split(",")
     VARIANTS[:] = [v for v in args.variants.split(",") if v]
     if args.sweep_shapes:
         SWEEP[:] = args.sweep_shapes
