@@ -16,9 +16,10 @@ int4 codes do not (its bound is the integer shift/mask work, not the conversion)
 same fp32 2**23 + code with one PTX byte permute (prmt) per code: for int8 it replaces an extract
 and an add, for int4 a shift and a mask per nibble (two masks and a shift per word remain). In one
 sweep of the PDL chains it was 2-4% faster on 4 of 5 int8 shapes (5120 rows keeps MAGIC 1) and 3-13%
-on every int4 shape; TUNED_PDL takes it where it won. MAGIC 4 (int4) builds 0.5 + n / 32 instead (the nibble
-under 0x3F000000, one shift and mask per word half, one prmt per nibble) and multiplies it into x
-as is: no subtraction per nibble, sum(x) / 2 comes off once per group (int8 reads 4 as 2).
+on every int4 shape; TUNED_PDL takes it where it won. MAGIC 4 (int4) builds 0.5 + n / 32 instead
+(the nibble under 0x3F000000, one shift and mask per word half, one prmt per nibble) and multiplies
+it into x as is: no subtraction per nibble, sum(x) / 2 comes off once per group (int8 reads 4 as
+2); 4-5% faster than MAGIC 2 on the big int4 shapes, rel err ~1.5e-6 instead of ~5e-7.
 
 PDL mode (qgemv_cuda(..., pdl=...), Hopper): a layer's 2-8 MB matrix streams in ~1 us, less than
 one launch plus the first DRAM round trip, so back-to-back GEMVs are launch/latency bound. Launched
@@ -263,10 +264,13 @@ TUNED_PDL: dict[tuple[int, int, int, int], Config] = {
     (8, 1024, 6656, 16384): (16, 1024, 4, 1, 2),  # 7168 / 8224: 3.23 / 3.80 [3.34 / 3.91]
     (8, 2048, 0, 2048): (8, 2048, 4, 1, 2),  # 1024 rows: 1.87 [1.94]
     (8, 3584, 0, 2048): (4, 4096, 4, 1, 2),  # 1024 rows: 2.44 [2.55]
-    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 2),  # 5120: 2.75 [3.05]
-    (4, 1024, 6656, 16384): (16, 1024, 4, 1, 2),  # 7168 / 8224: 3.60 / 3.80 [4.16 / 4.34]
-    (4, 2048, 0, 2048): (8, 2048, 8, 1, 2),  # 2.24 [2.31]
-    (4, 3584, 0, 2048): (8, 4096, 8, 1, 2),  # 2.99 [3.34]
+    # int4: MAGIC 4 (0.5 + n / 32 nibbles) won on every shape at the same launch shapes in the
+    # 2026-12-01 sweep of MAGIC {2, 4} (docs/benchmarks/2026-12-01-h200-15e607b-qgemv-chain-magic4
+    # .json): us per GEMV, in brackets MAGIC 2 in the same run
+    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 4),  # 5120: 2.63 [2.76]
+    (4, 1024, 6656, 16384): (16, 1024, 4, 1, 4),  # 7168 / 8224: 3.42 / 3.71 [3.60 / 3.87]
+    (4, 2048, 0, 2048): (8, 2048, 8, 1, 4),  # 2.28 [2.28]
+    (4, 3584, 0, 2048): (8, 4096, 8, 1, 4),  # 3.03 [3.05]
 }
 
 

@@ -27,6 +27,7 @@
 #   bash scripts/gpu/session.sh tagged  # the PDL chain with tagged-word handoffs (no gdc_wait)
 #   bash scripts/gpu/session.sh wide    # wide programs in tile / early PDL mode (qgemv_chain sweeps)
 #   bash scripts/gpu/session.sh decode  # decode tok/s of the quantized formats
+#   bash scripts/gpu/session.sh magic4  # int4 decode, MAGIC 4 against MAGIC 2 (A/B twice), GEMV tests
 #   TEST_PATHS="tests/ops" bash scripts/gpu/session.sh suite  # gpu tests of some paths
 #   bash scripts/gpu/session.sh pdl     # PDL on by default: decode all formats, batch bench, then
 #                                       # every gpu test (last, under a time limit)
@@ -249,6 +250,22 @@ wide)  # issue 4: wide programs (up to 64 rows, 16 warps: every program resident
     ;;
 decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tables as committed)
     decode_bench "$OUT/bench-decode.json"
+    ;;
+magic4)  # issue 4: int4 decode with TUNED_PDL's MAGIC 4 entries against the same table at MAGIC 2
+    # (this copy of the tree edited in place between runs; A/B twice), then the GEMV gpu tests
+    T=deltaserve/ops/triton_qgemv.py
+    cp $T /tmp/triton_qgemv.orig
+    for i in 1 2; do
+        sed -i 's/, 1, 4),  # /, 1, 2),  # /' $T
+        FORMATS=int4 decode_bench "$OUT/bench-int4-magic2-$i.json"
+        cp /tmp/triton_qgemv.orig $T
+        FORMATS=int4 decode_bench "$OUT/bench-int4-magic4-$i.json"
+    done
+    FORMATS=bf16,int8 decode_bench "$OUT/bench-decode-control.json"
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
+        tests/ops/test_triton_qgemv_pdl.py tests/ops/test_gemv_prologue.py \
+        tests/quant/test_quantized_cuda.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | grep -E "passed|failed|FAILED|Error" | tail -12
     ;;
 suite)  # gpu tests of $TEST_PATHS (default: all) under ${TESTS_S:-480} s, junit XML; decode first
     # when DECODE=1 (a run cut by the limit writes no XML; the -v log keeps what ran)
