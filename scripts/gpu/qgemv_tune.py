@@ -13,6 +13,7 @@ config per shape goes into deltaserve/ops/triton_qgemv.TUNED by hand, citing the
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -54,15 +55,19 @@ def _noop(Y):
     tl.store(Y, 0.0)
 
 
+HALF_SCALES: list[bool] = [False]  # --half-scales: fp16 scales and biases, as CUDA models hold them
+
+
 def packed_for(fmt, n, k, dev, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    return {kk: (v.float() if v.is_floating_point() else v).to(dev)
+    dtype = torch.float16 if HALF_SCALES[0] else torch.float32
+    return {kk: (v.to(dtype) if v.is_floating_point() else v).to(dev)
             for kk, v in quantize(w, FORMATS[fmt]).items()}
 
 
 def compile_some(job):
-    fmt, configs = job
+    fmt, configs, HALF_SCALES[0] = job
     dev = torch.device("cuda")
     p, x = packed_for(fmt, 256, 1024, dev), torch.randn(1, 1024, device=dev)
     for cfg in configs:
@@ -101,16 +106,23 @@ def main():
     ap.add_argument("--formats", default="int8,int4")
     ap.add_argument("--shapes", default="", help="NxK,... (default: every 0.8B decode shape)")
     ap.add_argument("--quick", action="store_true", help="9 tiles x 3 warp counts only")
+    ap.add_argument("--magic", default="0,1", help="MAGIC values (ops/triton_qgemv), e.g. 0,2,4")
+    ap.add_argument("--half-scales", action="store_true",
+                    help="fp16 scales and biases (quant/linear.narrow_scales_ on CUDA)")
     args = ap.parse_args()
     formats = args.formats.split(",")
+    HALF_SCALES[0] = args.half_scales
     global CONFIGS, SHAPES
+    magics = [int(v) for v in args.magic.split(",")]
+    CONFIGS = [(bn, bk, w, 1, m) for (bn, bk), w, m in itertools.product(TILES, (1, 2, 4, 8), magics)]
     if args.shapes:
         SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.quick:
         quick = {(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256),
                  (16, 512), (32, 256)}
         CONFIGS = [c for c in CONFIGS if c[:2] in quick and c[2] in (2, 4, 8)]
-    jobs = [(fmt, configs_for(fmt)[i::args.jobs]) for fmt in formats for i in range(args.jobs)]
+    jobs = [(fmt, configs_for(fmt)[i::args.jobs], args.half_scales) for fmt in formats
+            for i in range(args.jobs)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         compiled = sum(pool.map(compile_some, jobs))
@@ -136,10 +148,12 @@ def main():
                    "bf16_cublas_hot_us": bf16_us, "results": results}
             shapes.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "results"}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    commit = os.environ.get("DELTASERVE_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     record = {"kind": "h200-qgemv-tune", "git_commit": commit.strip(), "copy_gbs": copy_gbs,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "empty_kernel_us": floor_us, "shapes": shapes}
+              "triton": triton.__version__, "empty_kernel_us": floor_us, "magic": magics,
+              "half_scales": args.half_scales, "shapes": shapes}
     Path(args.out).write_text(json.dumps(record))
     print(json.dumps({"copy_gbs": copy_gbs}))
 
