@@ -227,8 +227,12 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     (8, 1024, 16384, _BIG): (16, 512, 1, 1, 1),  # vocabulary head 248320: 69.8 us, 94% of copy
     (8, 2048, 0, _BIG): (2, 1024, 8, 1, 1),  # 1024 rows: 3.17 us
     (8, 3584, 0, _BIG): (2, 1024, 8, 1, 1),  # 1024 rows: 4.53 us
-    (4, 1024, 0, 16384): (8, 1024, 4, 1, 0),  # 2048..7168 rows: 3.27..4.92 us
-    (4, 1024, 16384, _BIG): (32, 512, 2, 1, 0),  # vocabulary head: 67.4 us, 57% of copy
+    # int4 rows >= 2048: MAGIC 4 (0.5 + n / 32 nibbles), from `qgemv_tune.py --formats int4 --quick
+    # --magic 0,4` on 2026-12-01 (docs/benchmarks/2026-12-01-h200-ba2f44d-qgemv-tune-int4-*.json);
+    # in brackets the best MAGIC 0 config of the same run. The head: 60.9% of copy with fp32
+    # scales as above, 60.7 us on fp16 scales (55.6%: the same time on fewer bytes).
+    (4, 1024, 0, 16384): (8, 1024, 4, 1, 4),  # 6144 / 7168 rows: 3.86 / 4.16 us [4.39 / 4.69]
+    (4, 1024, 16384, _BIG): (16, 512, 2, 1, 4),  # vocabulary head: 61.7 us [71.0]
     (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }

@@ -252,11 +252,12 @@ decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tab
     decode_bench "$OUT/bench-decode.json"
     ;;
 magic4)  # issue 4: int4 decode with TUNED_PDL's MAGIC 4 entries against the same table at MAGIC 2
-    # (this copy of the tree edited in place between runs; A/B twice), then the GEMV gpu tests
+    # (this copy of the tree edited in place between runs; A/B $REPS times, default 2; BEFORE: the
+    # sed expression that makes the "before" table), then the GEMV gpu tests
     T=deltaserve/ops/triton_qgemv.py
     cp $T /tmp/triton_qgemv.orig
-    for i in 1 2; do
-        sed -i 's/, 1, 4),  # /, 1, 2),  # /' $T
+    for i in $(seq "${REPS:-2}"); do
+        sed -i "${BEFORE:-s/, 1, 4),  # /, 1, 2),  # /}" $T
         FORMATS=int4 decode_bench "$OUT/bench-int4-magic2-$i.json"
         cp /tmp/triton_qgemv.orig $T
         FORMATS=int4 decode_bench "$OUT/bench-int4-magic4-$i.json"
@@ -264,7 +265,8 @@ magic4)  # issue 4: int4 decode with TUNED_PDL's MAGIC 4 entries against the sam
     FORMATS=bf16,int8 decode_bench "$OUT/bench-decode-control.json"
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
         tests/ops/test_triton_qgemv_pdl.py tests/ops/test_gemv_prologue.py \
-        tests/quant/test_quantized_cuda.py --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        tests/ops/test_triton_head.py tests/quant/test_quantized_cuda.py \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 \
         | grep -E "passed|failed|FAILED|Error" | tail -12
     ;;
 suite)  # gpu tests of $TEST_PATHS (default: all) under ${TESTS_S:-480} s, junit XML; decode first
