@@ -174,12 +174,16 @@ if triton is not None:
     def _gemv_kernel(W, S, B, X, Y, YI, N, K, R, NW, TOTAL, eps, offset, G: tl.constexpr,
                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                     PDL: tl.constexpr, XMODE: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                     ONE_STEP: tl.constexpr = False):
         """PDL (programmatic dependent launch, launched with launch_pdl): 0 off; 1 gdc_wait first
         (the launch overlaps the predecessor's tail); 2 the first K-step's weights are loaded
         before the wait, so this kernel's DRAM round trip overlaps the predecessor; 3 as 2, and
         the dependents are released before this kernel's own wait (a deeper pipeline). 1 and 2
-        release the next kernel right after the wait: at most two GEMVs overlap."""
+        release the next kernel right after the wait: at most two GEMVs overlap.
+        ONE_STEP (BLOCK_K >= K, PDL >= 2): the step before the wait is all of K, and the K loop
+        is not compiled. Even when it never runs, it held registers: the int4 [16, 1024] tile
+        took 96 per thread with it and 72 without."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -200,11 +204,12 @@ if triton is not None:
             acc = _step(acc, q0, s0, b0, X, R, NW, rstd, offset, 0, K, G, BITS, HAS_BIAS, BLOCK_N,
                         BLOCK_K, MAGIC, XMODE)
             k_start = BLOCK_K
-        for k0 in range(k_start, K, BLOCK_K):
-            q, s, b = _weights(W, S, B, rows, row_ok, k0, K, num_groups, G, BITS, HAS_BIAS,
-                               BLOCK_K)
-            acc = _step(acc, q, s, b, X, R, NW, rstd, offset, k0, K, G, BITS, HAS_BIAS, BLOCK_N,
-                        BLOCK_K, MAGIC, XMODE)
+        if not ONE_STEP or PDL < 2:
+            for k0 in range(k_start, K, BLOCK_K):
+                q, s, b = _weights(W, S, B, rows, row_ok, k0, K, num_groups, G, BITS, HAS_BIAS,
+                                   BLOCK_K)
+                acc = _step(acc, q, s, b, X, R, NW, rstd, offset, k0, K, G, BITS, HAS_BIAS,
+                            BLOCK_N, BLOCK_K, MAGIC, XMODE)
         y = tl.sum(acc, axis=1)
         if ARGMAX:  # the greedy head: this block's maximum and its row, not the logits
             y = tl.where(row_ok, y, float("-inf"))
@@ -369,5 +374,5 @@ def _launch(x, p: dict, scheme, w: torch.Tensor, y: torch.Tensor, yi: torch.Tens
         w, p["scales"], biases, x, y, yi, n, k, **gemv_prologue.kernel_args(x, prologue),
         G=scheme.group_size,
         BITS=scheme.bits, HAS_BIAS=scheme.has_biases(), BLOCK_N=block_n, BLOCK_K=block_k,
-        MAGIC=magic, ARGMAX=argmax, PDL=mode, num_warps=warps, num_stages=stages,
-        **pdl_launch(bool(mode)))
+        MAGIC=magic, ARGMAX=argmax, PDL=mode, ONE_STEP=mode >= 2 and block_k >= k,
+        num_warps=warps, num_stages=stages, **pdl_launch(bool(mode)))

@@ -36,7 +36,7 @@ def compile_gemv(bits: int, config: tuple, pdl: int, xmode: int = 0, x_dtype: st
            "NW": f"*{x_dtype}", "TOTAL": f"*{x_dtype}", "eps": "fp32", "offset": "fp32"}
     const = {"G": 64, "BITS": bits, "HAS_BIAS": bits == 4, "BLOCK_N": block_n,
              "BLOCK_K": block_k, "MAGIC": magic, "ARGMAX": False, "PDL": pdl, "XMODE": xmode,
-             "NORM_BLOCK": 16}
+             "NORM_BLOCK": 16, "ONE_STEP": pdl >= 2}  # tile mode: BLOCK_K covers K
     names = tq._gemv_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a in ("W", "S", "B", "X", "Y", "YI", "R", "NW", "TOTAL", "N", "K")}

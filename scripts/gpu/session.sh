@@ -253,16 +253,19 @@ decode)  # issue 4: decode tok/s of the quantized formats (the GEMV's launch tab
     ;;
 magic4)  # issue 4: int4 decode with TUNED_PDL's MAGIC 4 entries against the same table at MAGIC 2
     # (this copy of the tree edited in place between runs; A/B $REPS times, default 2; BEFORE: the
-    # sed expression that makes the "before" table), then the GEMV gpu tests
+    # sed expression that makes the "before" tree; AB_FORMATS, default int4; CONTROL: formats
+    # timed once after, default bf16,int8, empty for none), then the GEMV gpu tests
     T=deltaserve/ops/triton_qgemv.py
     cp $T /tmp/triton_qgemv.orig
     for i in $(seq "${REPS:-2}"); do
         sed -i "${BEFORE:-s/, 1, 4),  # /, 1, 2),  # /}" $T
-        FORMATS=int4 decode_bench "$OUT/bench-int4-magic2-$i.json"
+        FORMATS=${AB_FORMATS:-int4} decode_bench "$OUT/bench-before-$i.json"
         cp /tmp/triton_qgemv.orig $T
-        FORMATS=int4 decode_bench "$OUT/bench-int4-magic4-$i.json"
+        FORMATS=${AB_FORMATS:-int4} decode_bench "$OUT/bench-after-$i.json"
     done
-    FORMATS=bf16,int8 decode_bench "$OUT/bench-decode-control.json"
+    if [ -n "${CONTROL-bf16,int8}" ]; then
+        FORMATS=${CONTROL-bf16,int8} decode_bench "$OUT/bench-decode-control.json"
+    fi
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_qgemv.py \
         tests/ops/test_triton_qgemv_pdl.py tests/ops/test_gemv_prologue.py \
         tests/ops/test_triton_head.py tests/quant/test_quantized_cuda.py \
