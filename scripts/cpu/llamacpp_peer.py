@@ -27,28 +27,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.bench.record import device_info, git_commit  # noqa: E402
 
 
-def ours(model: str, threads: int) -> dict:
+def ours(model: str, threads: int, prompt: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
-                        "bfloat16", "--prefill-lens", "512", "--decode-tokens", "128",
+                        "bfloat16", "--prefill-lens", str(prompt or ""), "--decode-tokens", "128",
                         "--repeats", "3", "--peer", "none", "--out", f.name],
                        check=True, capture_output=True,
                        env={**os.environ, "DELTASERVE_NUM_THREADS": str(threads)})
         rec = json.loads(Path(f.name).read_text())
     eng = rec["engines"]["deltaserve"]
-    return {"prefill_512_tok_s": eng["prefill_512_tok_s"], "decode_tok_s": eng["decode_tok_s"],
-            "roofline_pct": eng.get("roofline_pct"), "memory_read_gbs": rec["memory_read_gbs"],
-            "bytes_per_token": eng.get("bytes_per_token")}
+    out = {"decode_tok_s": eng["decode_tok_s"], "roofline_pct": eng.get("roofline_pct"),
+           "memory_read_gbs": rec["memory_read_gbs"], "bytes_per_token": eng.get("bytes_per_token")}
+    if prompt:
+        out[f"prefill_{prompt}_tok_s"] = eng[f"prefill_{prompt}_tok_s"]
+    return out
 
 
-def llama(binary: str, gguf: str, threads: int) -> dict:
-    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128",
+def llama(binary: str, gguf: str, threads: int, prompt: int) -> dict:
+    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", "128",
                            "-r", "3", "-o", "json"], check=True, capture_output=True, text=True)
     rows = json.loads(proc.stdout)
     out = {"build_commit": rows[0].get("build_commit"), "model_type": rows[0].get("model_type"),
            "model_size": rows[0].get("model_size")}
     for r in rows:
-        key = "prefill_512_tok_s" if r["n_prompt"] else "decode_tok_s"
+        key = f"prefill_{r['n_prompt']}_tok_s" if r["n_prompt"] else "decode_tok_s"
         out[key] = r["avg_ts"]
     return out
 
@@ -59,24 +61,24 @@ def main() -> None:
     ap.add_argument("--pair", action="append", required=True, help="OURS_DIR=GGUF")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512,
+                    help="prefill length timed (0: decode only, for a build whose prefill fails)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
-              "device": device_info("cpu"), "threads": args.threads, "pairs": {}}
+              "device": device_info("cpu"), "threads": args.threads, "prompt": args.prompt,
+              "llama_bench": args.llama_bench, "pairs": {}}
     for pair in args.pair:
         model, gguf = pair.split("=", 1)
         runs = []
         for _ in range(args.rounds):
-            runs.append({"deltaserve": ours(model, args.threads),
-                         "llama.cpp": llama(args.llama_bench, gguf, args.threads)})
+            runs.append({"deltaserve": ours(model, args.threads, args.prompt),
+                         "llama.cpp": llama(args.llama_bench, gguf, args.threads, args.prompt)})
             print(json.dumps(runs[-1]), file=sys.stderr)
-        med = {e: {k: statistics.median(r[e][k] for r in runs)
-                   for k in ("prefill_512_tok_s", "decode_tok_s")} for e in runs[0]}
-        record["pairs"][pair] = {"runs": runs, "median": med,
-                                 "decode_ratio": med["deltaserve"]["decode_tok_s"]
-                                 / med["llama.cpp"]["decode_tok_s"],
-                                 "prefill_ratio": med["deltaserve"]["prefill_512_tok_s"]
-                                 / med["llama.cpp"]["prefill_512_tok_s"]}
+        keys = ["decode_tok_s"] + ([f"prefill_{args.prompt}_tok_s"] if args.prompt else [])
+        med = {e: {k: statistics.median(r[e][k] for r in runs) for k in keys} for e in runs[0]}
+        record["pairs"][pair] = {"runs": runs, "median": med, **{
+            f"{k.split('_')[0]}_ratio": med["deltaserve"][k] / med["llama.cpp"][k] for k in keys}}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({p: {k: v for k, v in r.items() if k != "runs"}
                       for p, r in record["pairs"].items()}, indent=1))
