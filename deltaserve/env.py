@@ -31,7 +31,7 @@ class Env:
     # back (engine/overlap.py); default (unset): on for CUDA devices, off on CPU
     overlap: bool | None
     gpu_backend: str  # DELTASERVE_GPU_BACKEND=auto|triton|portable (ops/backend.py)
-    # DELTASERVE_EXACT_INT8_ACT=1: int8 decode GEMV keeps fp32 activations (no VNNI)
+    # DELTASERVE_EXACT_INT8_ACT=1: int8 and int4 decode GEMVs keep fp32 activations (no VNNI)
     exact_int8_activations: bool
     fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
     # DELTASERVE_AMX=0: fp32 vision GEMMs on CPU stay on torch's fp32 GEMM instead of the AMX

@@ -70,8 +70,7 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", t
         advise_huge_pages([p.data for p in model.parameters()])
     _copy_weights(model, cfg, index, from_mlx if mlx else None,
                   None if plan is None else plan.shard)
-    if dev.type == "cuda":  # half the scale bytes per decode step; exact (quant/linear.py)
-        narrow_scales_(model)
+    narrow_scales_(model)  # half the scale bytes per decode step; exact (quant/linear.py)
     if plan is not None:
         from deltaserve.distributed.comm import Comm, Compression
         from deltaserve.distributed.sharded import attach

@@ -19,15 +19,15 @@ import torch
 from deltaserve.config import FULL
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import q8_is_vnni
+from deltaserve.ops.qgemv import a4_is_vnni, q8_is_vnni, scales_of
 
-BF16, Q8, Q8_VNNI, A4, Q1 = range(5)
+BF16, Q8, Q8_VNNI, A4, Q1, A4_VNNI = range(6)
 
 
 class DsMat(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
                 ("b", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
-                ("g", ctypes.c_long)]
+                ("g", ctypes.c_long), ("scale_kind", ctypes.c_int)]
 
 
 _P = ctypes.c_void_p
@@ -100,18 +100,23 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
         keep.append(w)
         return DsMat(BF16, w.data_ptr(), None, None, w.shape[0], w.shape[1], 0)
     n, k, g = linear.weight.shape[0], linear.in_cols, scheme.group_size
-    parts = [linear.weight, linear.scales] + ([linear.biases] if scheme.has_biases() else [])
-    if not all(t.is_contiguous() for t in parts):
+    p = {"weight": linear.weight, "scales": linear.scales}
+    if scheme.has_biases():
+        p["biases"] = linear.biases
+    if not all(t.is_contiguous() for t in p.values()):
         return None
-    keep.extend(parts)
     kinds = {("int8", 8): None, ("affine", 4): A4, ("q1", 1): Q1}
     if (scheme.kind, scheme.bits) not in kinds:
         return None
     kind = kinds[(scheme.kind, scheme.bits)]
     if kind is None:
         kind = Q8_VNNI if q8_is_vnni(lib, n, k, g) else Q8
-    bias = linear.biases.data_ptr() if scheme.has_biases() else None
-    return DsMat(kind, linear.weight.data_ptr(), linear.scales.data_ptr(), bias, n, k, g)
+    elif kind == A4 and a4_is_vnni(lib, n, k, g):
+        kind = A4_VNNI
+    s, b, scale_kind = scales_of(p, scheme)  # the same arrays the layered path passes
+    keep.extend([linear.weight, s, b])
+    bias = b.data_ptr() if scheme.has_biases() else None
+    return DsMat(kind, linear.weight.data_ptr(), s.data_ptr(), bias, n, k, g, scale_kind)
 
 
 def _rows_limit(linear) -> int:

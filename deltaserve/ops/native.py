@@ -93,15 +93,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     )
     lib.ds_rmsnorm.restype = None
     for name, num_ptrs in (("ds_gemv_q8", 4), ("ds_gemv_a4", 5), ("ds_gemv_q1", 4)):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int]
+        fn = getattr(lib, name)  # ..., num_threads, scale_kind (ops/qgemv.scale_kind)
+        fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
         fn.restype = None
-    if hasattr(lib, "ds_gemv_q8_vnni"):  # built only where the compiler targets AVX512-VNNI
-        lib.ds_gemv_q8_vnni.argtypes = lib.ds_gemv_q8.argtypes
-        lib.ds_gemv_q8_vnni.restype = None
+    for name, like in (("ds_gemv_q8_vnni", "ds_gemv_q8"), ("ds_gemv_a4_vnni", "ds_gemv_a4")):
+        if hasattr(lib, name):  # built only where the compiler targets AVX512-VNNI
+            getattr(lib, name).argtypes = getattr(lib, like).argtypes
+            getattr(lib, name).restype = None
     lib.ds_dequant.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [
         ctypes.c_int
-    ]
+    ] * 2
     lib.ds_dequant.restype = None
     return lib
 

@@ -2,12 +2,14 @@
 dense matrix. Native kernels (ops/csrc/gemv_quant.c) cover int8, 4-bit affine and q1; other
 layouts (MLX 8-bit affine, 2/3/5/6-bit) take the reference: dequantize, then F.linear.
 
-int8 decode, where the library was built with AVX512-VNNI, quantizes the activation x to int8 per
-group of the weight's group size (64 in our format; symmetric, d = absmax/127, round to nearest
-even) and runs integer dot products: llama.cpp's Q8_0 x Q8_0 semantics. That is not
+int8 and 4-bit affine decode, where the library was built with AVX512-VNNI, quantize the
+activation x to int8 per group of the weight's group size (64 in our format; symmetric, d =
+absmax/127, round to nearest even) and run integer dot products: llama.cpp's Q8_0 x Q8_0 and
+Q4_1 x Q8_1 semantics: W x^, x^ being x rounded per group. That is not
 bit-comparable to dequantize-then-F.linear (rel-L2 ~0.6% on gaussian data), nor to machines
-without VNNI; its exact reference is `qgemv_q8_act_ref`. DELTASERVE_EXACT_INT8_ACT=1 keeps fp32
-activations (the exact kernel, as do groups that are not a multiple of 64).
+without VNNI; the exact references are `qgemv_q8_act_ref` and `qgemv_a4_act_ref`.
+DELTASERVE_EXACT_INT8_ACT=1 keeps fp32 activations (the exact kernels, as do groups that are not
+a multiple of 64 or are over 512).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib, simd_lanes
-from deltaserve.quant.schemes import Scheme, dequantize
+from deltaserve.quant.schemes import Scheme, dequantize, unpack_codes
 
 
 def qgemv_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
@@ -46,7 +48,33 @@ def qgemv_q8_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     return (dots.float() * (p["scales"].float() * dx)).sum(-1).reshape(1, -1)
 
 
+def qgemv_a4_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
+    """The 4-bit-on-int8-activation GEMV's math in torch: per group, the exact integer dot of the
+    codes (0..15) and quantized x times scale * dx, plus bias times dx * sum(xq); summed over
+    groups in fp32. x [1,K] -> [1,N] fp32."""
+    xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
+    n = p["weight"].shape[0]
+    q = unpack_codes(p["weight"], scheme.bits).to(torch.int32).reshape(n, *xq.shape)
+    dots = (q * xq).sum(-1)  # [N, K/G], exact in int32
+    xs = dx * xq.sum(-1).float()
+    out = (dots.float() * (p["scales"].float() * dx)).sum(-1) + (p["biases"].float() * xs).sum(-1)
+    return out.reshape(1, -1)
+
+
 _NATIVE_KINDS = {("int8", 8): 0, ("affine", 4): 1, ("q1", 1): 2}
+# The kernels' scale_kind (ops/csrc/scales.h): the dtype the scales and biases are held in.
+SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def scales_of(p: dict, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(scales, biases (the scales where the scheme has none), scale_kind) for a native kernel,
+    contiguous. The kernels read both in one dtype: a pair held in two dtypes (never the case
+    after quant/linear.narrow_scales_) is widened to fp32 for the call, exactly."""
+    s = p["scales"].contiguous()
+    b = p["biases"].contiguous() if scheme.has_biases() else s
+    if s.dtype != b.dtype or s.dtype not in SCALE_KINDS:
+        s, b = s.float(), b.float()
+    return s, b, SCALE_KINDS[s.dtype]
 
 
 def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
@@ -56,10 +84,10 @@ def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
     kind = _NATIVE_KINDS.get((scheme.kind, scheme.bits))
     if lib is None or kind is None or env().reference_ops or out.device.type != "cpu":
         return out.copy_(dequantize(p, scheme, out.dtype))
-    w, s = p["weight"].contiguous(), p["scales"].contiguous()
-    b = p["biases"].contiguous() if scheme.has_biases() else s
+    w = p["weight"].contiguous()
+    s, b, scale_kind = scales_of(p, scheme)
     lib.ds_dequant(kind, w.data_ptr(), s.data_ptr(), b.data_ptr(), out.data_ptr(), out.shape[0],
-                   out.shape[1], scheme.group_size, torch.get_num_threads())
+                   out.shape[1], scheme.group_size, torch.get_num_threads(), scale_kind)
     return out
 
 
@@ -80,27 +108,54 @@ _Q8_WINNERS: dict[tuple[int, int, int, int], str] = {
 }
 
 
+# The same for 4-bit affine weights: ds_gemv_a4_vnni (fp16 scales and biases) against the
+# fp32-activation ds_gemv_a4 (fp32 ones). Measured 2026-12-01 on the 2-core AVX512-VNNI Xeon, 2
+# threads, by `python scripts/cpu/qgemv_bench.py --format int4 --out qgemv_cpu_int4.json`
+# (docs/benchmarks/2026-12-01-cpu-qgemv-int4-vnni.json); comments as above. VNNI won every shape,
+# cold 1.33-1.51x and cache-hot 1.51-2.82x (the exact kernel is bound by nibble work, not bytes).
+_A4_WINNERS: dict[tuple[int, int, int, int], str] = {
+    (0, 3072, 0, 1536): "vnni",  # 2048x1024: 77.5 -> 58.5
+    (3072, 5120, 0, 1536): "vnni",  # 4096x1024: 152.6 -> 103.4
+    (5120, 6656, 0, 1536): "vnni",  # 6144x1024: 204.4 -> 143.5
+    (6656, 16384, 0, 1536): "vnni",  # 7168x1024: 241.2 -> 172.9
+    (16384, 1 << 40, 0, 1536): "vnni",  # 248320x1024 (vocabulary head): 8079.7 -> 5338.7
+    (0, 3072, 1536, 2560): "vnni",  # 1024x2048: 84.2 -> 63.6
+    (0, 3072, 2560, 4096): "vnni",  # 1024x3584: 126.5 -> 94.8
+}
+
+
 @functools.cache  # every decode GEMV asks; the answer per shape never changes
-def q8_kernel(n: int, k: int) -> str:
-    for (n_lo, n_hi, k_lo, k_hi), name in _Q8_WINNERS.items():
+def vnni_wins(fmt: str, n: int, k: int) -> bool:
+    """Whether the int8-activation kernel won this [n, k] shape for `fmt` ("int8" or "int4")."""
+    for (n_lo, n_hi, k_lo, k_hi), name in (_Q8_WINNERS if fmt == "int8" else _A4_WINNERS).items():
         if n_lo <= n < n_hi and k_lo <= k < k_hi:
-            return name
-    return "vnni"
+            return name == "vnni"
+    return True
+
+
+def _vnni_allowed(lib, name: str, fmt: str, n: int, k: int, group: int) -> bool:
+    """The int8-activation kernel `name` is built, allowed, takes this shape and won it."""
+    if getattr(lib, name, None) is None or env().exact_int8_activations or group % 64 or k % group:
+        return False
+    if group > 512:  # VNNI_MAX_G (gemv_vnni.c): larger groups take the exact kernels
+        return False
+    return vnni_wins(fmt, n, k)
 
 
 def _q8_fn(lib, n: int, k: int, group: int):
     """The int8 GEMV for this shape: VNNI where built, allowed and measured faster, else exact."""
-    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
-    if vnni is None or env().exact_int8_activations or group % 64 or k % group:
-        return lib.ds_gemv_q8
-    return vnni if q8_kernel(n, k) == "vnni" else lib.ds_gemv_q8
+    return lib.ds_gemv_q8_vnni if q8_is_vnni(lib, n, k, group) else lib.ds_gemv_q8
 
 
 def q8_is_vnni(lib, n: int, k: int, group: int) -> bool:
-    """Whether _q8_fn takes the VNNI kernel for this shape (its multi-row and native-step forms
+    """Whether the int8 GEMV for this shape is the VNNI one (its multi-row and native-step forms
     follow the same choice, so every path gives a row the same bits)."""
-    vnni = getattr(lib, "ds_gemv_q8_vnni", None)
-    return vnni is not None and _q8_fn(lib, n, k, group) is vnni
+    return _vnni_allowed(lib, "ds_gemv_q8_vnni", "int8", n, k, group)
+
+
+def a4_is_vnni(lib, n: int, k: int, group: int) -> bool:
+    """Whether the 4-bit affine GEMV for this shape is the VNNI one (as q8_is_vnni)."""
+    return _vnni_allowed(lib, "ds_gemv_a4_vnni", "int4", n, k, group)
 
 
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
@@ -110,28 +165,33 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     kind = (scheme.kind, scheme.bits)
     if not native or kind not in (("int8", 8), ("affine", 4), ("q1", 1)):
         return qgemv_ref(x, p, scheme)
-    w, s = p["weight"].contiguous(), p["scales"].contiguous()
+    w = p["weight"].contiguous()
+    s, b, scale_kind = scales_of(p, scheme)
     x = x.float().contiguous()
     out = torch.empty(1, w.shape[0], dtype=torch.float32)
-    args = (x.data_ptr(), out.data_ptr(), w.shape[0], k, scheme.group_size, torch.get_num_threads())
+    args = (x.data_ptr(), out.data_ptr(), w.shape[0], k, scheme.group_size, torch.get_num_threads(),
+            scale_kind)
     if kind == ("int8", 8):
         _q8_fn(lib, w.shape[0], k, scheme.group_size)(w.data_ptr(), s.data_ptr(), *args)
     elif kind == ("affine", 4):
-        lib.ds_gemv_a4(w.data_ptr(), s.data_ptr(), p["biases"].contiguous().data_ptr(), *args)
+        fn = lib.ds_gemv_a4_vnni if a4_is_vnni(lib, w.shape[0], k, scheme.group_size) \
+            else lib.ds_gemv_a4
+        fn(w.data_ptr(), s.data_ptr(), b.data_ptr(), *args)
     else:
         lib.ds_gemv_q1(w.data_ptr(), s.data_ptr(), *args)
     return out
 
 
 def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
-    """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 (the VNNI
-    or the exact fp32 one, as its GEMV), 4-bit affine (ds_gemm_a4); else None (q1)."""
+    """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 and 4-bit
+    affine (the VNNI or the exact fp32 one, as its GEMV); else None (q1)."""
     if lib is None or env().reference_ops:
         return None
     if (scheme.kind, scheme.bits) == ("affine", 4):
-        multi = getattr(lib, "ds_gemm_a4", None)
+        multi = getattr(lib, "ds_gemm_a4_vnni" if a4_is_vnni(lib, n, k, scheme.group_size)
+                        else "ds_gemm_a4", None)
         if multi is not None and multi.argtypes is None:  # registered beside its one caller
-            multi.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
+            multi.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
             multi.restype = None
         return multi
     if scheme.kind != "int8":
@@ -141,7 +201,7 @@ def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
     if multi is None:
         return None
     if multi.argtypes is None:  # registered beside its one caller
-        multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+        multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
         multi.restype = None
     return multi
 
@@ -155,12 +215,13 @@ def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
                                                                   w.shape[0], x.shape[-1])
     if multi is None:
         return None
-    w, s, x = w.contiguous(), p["scales"].contiguous(), x.float().contiguous()
-    biases = [p["biases"].contiguous()] if scheme.has_biases() else []
+    w, x = w.contiguous(), x.float().contiguous()
+    s, b, scale_kind = scales_of(p, scheme)
+    biases = [b] if scheme.has_biases() else []
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    multi(w.data_ptr(), s.data_ptr(), *[b.data_ptr() for b in biases], x.data_ptr(),
+    multi(w.data_ptr(), s.data_ptr(), *[t.data_ptr() for t in biases], x.data_ptr(),
           out.data_ptr(), x.shape[0], w.shape[0], x.shape[-1], scheme.group_size,
-          torch.get_num_threads())
+          torch.get_num_threads(), scale_kind)
     return out
 
 

@@ -1,6 +1,12 @@
-"""CPU decode-GEMV timing: int8 exact (fp32 x) vs int8 VNNI (x quantized per group) vs bf16.
+"""CPU decode-GEMV timing per quantized format, the kernels side by side with bf16:
 
-    python scripts/cpu/qgemv_bench.py --out qgemv_cpu.json
+    python scripts/cpu/qgemv_bench.py --out qgemv_cpu.json                  # int8
+    python scripts/cpu/qgemv_bench.py --format int4 --out qgemv_cpu_int4.json
+
+int8: exact (fp32 x) vs VNNI (x quantized per group), both on fp32 scales, and VNNI again on fp16
+scales (vnni_f16: what loaded models hold since 12-01). int4 (4-bit affine, group 64): exact on
+fp32 and on fp16 scales and biases vs VNNI on fp16 (ds_gemv_a4_vnni). The winners between exact
+and VNNI per shape are the dispatch tables in deltaserve/ops/qgemv.py.
 
 2 threads (torch.set_num_threads(2)). Each figure is the median of >= 10 calls after warm-up, in
 the fastest of 5 rounds (the host is shared: a neighbour's load only ever slows a round; every
@@ -10,8 +16,9 @@ ctypes call; bf16 is ops.gemv.gemv), the kernels taking turns call by call.
 "hot" repeats one matrix (small shapes then sit in L2/L3: a microbenchmark); "cold" rotates
 through copies filling --pool-mb, so each call streams from DRAM as decode does (a model's
 weights exceed the L3). Matrices sit on 2 MiB pages (THP madvise), as loaded weights do. GB/s
-counts codes + fp32 scales + x (bf16: 2 bytes/weight + x), beside the streaming-read bandwidth
-of an fp32 torch GEMV over a 256 MB matrix, measured at the start and at the end.
+counts codes + scales (+ biases) in the kernel's dtype + x (bf16: 2 bytes/weight + x), beside the
+streaming-read bandwidth of an fp32 torch GEMV over a 256 MB matrix, measured at the start and at
+the end.
 """
 
 import argparse
@@ -31,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.checkpoint.memory import advise_huge_pages  # noqa: E402
 from deltaserve.ops.gemv import gemv  # noqa: E402
 from deltaserve.ops.native import native_lib  # noqa: E402
-from deltaserve.ops.qgemv import qgemv_ref  # noqa: E402
-from deltaserve.quant.schemes import INT8, quantize  # noqa: E402
+from deltaserve.ops.qgemv import SCALE_KINDS, qgemv_ref  # noqa: E402
+from deltaserve.quant.schemes import FORMATS, quantize  # noqa: E402
 
 SHAPES = [(6144, 1024), (2048, 1024), (7168, 1024), (1024, 3584), (1024, 2048), (4096, 1024),
           (248320, 1024)]
 THREADS = 2
+GROUP = 64
 
 
 def interleaved(calls: dict, reps: int, rounds: int = 5, warmup: int = 2) -> dict:
@@ -56,14 +64,30 @@ def interleaved(calls: dict, reps: int, rounds: int = 5, warmup: int = 2) -> dic
     return medians
 
 
-def q8_call(kernel):
+def kernel_call(kernel, fmt: str, half: bool):
+    """The kernel on p's fp16 ("half") or fp32 scales (and biases): the same values."""
+    suffix = "16" if half else ""
+
     def call(x: torch.Tensor, p: dict) -> torch.Tensor:
-        w = p["weight"]
+        w, s = p["weight"], p["scales" + suffix]
+        biases = [p["biases" + suffix].data_ptr()] if fmt == "int4" else []
         out = torch.empty(1, w.shape[0], dtype=torch.float32)
-        kernel(w.data_ptr(), p["scales"].data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0],
-               x.shape[-1], INT8.group_size, THREADS)
+        kernel(w.data_ptr(), s.data_ptr(), *biases, x.data_ptr(), out.data_ptr(), w.shape[0],
+               x.shape[-1], GROUP, THREADS, SCALE_KINDS[s.dtype])
         return out
     return call
+
+
+def kernels_for(lib, fmt: str) -> dict:
+    """name -> (call, scale bytes): the exact and VNNI kernels of `fmt` on fp32 / fp16 scales."""
+    if fmt == "int8":
+        exact, vnni = lib.ds_gemv_q8, lib.ds_gemv_q8_vnni
+        table = {"exact": (exact, False), "vnni": (vnni, False), "vnni_f16": (vnni, True)}
+    else:
+        exact, vnni = lib.ds_gemv_a4, lib.ds_gemv_a4_vnni
+        table = {"exact": (exact, False), "exact_f16": (exact, True), "vnni_f16": (vnni, True)}
+    return {name: (kernel_call(fn, fmt, half), 2 if half else 4)
+            for name, (fn, half) in table.items()}
 
 
 def stream_gbs() -> float:
@@ -72,15 +96,18 @@ def stream_gbs() -> float:
     return w.numel() * 4 / min(interleaved({"mv": lambda i: torch.mv(w, x)}, 10)["mv"]) / 1e9
 
 
-def rel_err_vs_spec(n: int, k: int, vnni) -> float | None:
+def rel_err_vs_spec(n: int, k: int, fmt: str, vnni) -> float | None:
     """VNNI vs dequantize-then-F.linear on gaussian weights/x (skipped for the head: 1 GB fp32)."""
     if n * k > 2**23:
         return None
     torch.manual_seed(n + k)
-    p = {kk: v.float() if v.is_floating_point() else v
-         for kk, v in quantize(torch.randn(n, k), INT8).items()}
+    p = quantize(torch.randn(n, k), FORMATS[fmt])
+    if fmt == "int4":  # the C kernel reads bytes
+        p["weight"] = p["weight"].view(torch.uint8)
+    p = {**p, **{name + "16": v for name, v in p.items() if v.is_floating_point()}}
     x = torch.randn(1, k)
-    ref = qgemv_ref(x, p, INT8)
+    ref = qgemv_ref(x, {**p, "weight": p["weight"].view(torch.int32 if fmt == "int4" else
+                                                                 torch.int8)}, FORMATS[fmt])
     return ((vnni(x, p) - ref).norm() / ref.norm()).item()
 
 
@@ -97,27 +124,45 @@ def cycling(call, x: torch.Tensor, mats: list, stride: int = 1, offset: int = 0)
     return lambda i: call(x, mats[(i * stride + offset) % len(mats)])
 
 
-def time_regime(n: int, k: int, copies: dict, nbytes: dict, kernels: dict) -> dict:
+def random_packs(n: int, k: int, fmt: str, copies: int) -> list:
+    """Random codes, fp16 scales (and biases) and their fp32 copies, on 2 MiB pages."""
+    packs = []
+    for _ in range(copies):
+        if fmt == "int8":
+            p = {"weight": huge((n, k), torch.int8).random_(-127, 128)}
+        else:
+            p = {"weight": huge((n, k // 2), torch.uint8).random_(0, 256),
+                 "biases16": (torch.randn(n, k // GROUP) * 1e-2).half()}
+        p["scales16"] = (torch.rand(n, k // GROUP) * 1e-3).half()
+        p.update({name[:-2]: v.float() for name, v in list(p.items()) if name.endswith("16")})
+        packs.append(p)
+    return packs
+
+
+def time_regime(n: int, k: int, fmt: str, copies: dict, nbytes: dict, kernels: dict) -> dict:
     """Median seconds per kernel, each call on the next of copies[format] matrices."""
     x = torch.randn(1, k)
-    packs = [{"weight": huge((n, k), torch.int8).random_(-127, 128),
-              "scales": torch.rand(n, k // INT8.group_size) * 1e-3} for _ in range(copies["exact"])]
+    packs = random_packs(n, k, fmt, copies["quant"])
     ws = [huge((n, k), torch.bfloat16).normal_() for _ in range(copies["bf16"])]
     calls = {name: cycling(call, x, packs, len(kernels), j)
-             for j, (name, call) in enumerate(kernels.items())}
+             for j, (name, (call, _)) in enumerate(kernels.items())}
     calls["bf16"] = cycling(gemv, x, ws)
     return interleaved(calls, max(10, min(100, int(1e9 / nbytes["bf16"]))))
 
 
-def time_shape(n: int, k: int, pool_bytes: int, kernels: dict) -> dict:
+def time_shape(n: int, k: int, fmt: str, pool_bytes: int, kernels: dict) -> dict:
     """Hot: one matrix; cold: each call the next of copies filling pool_bytes (per format)."""
-    nbytes = {"exact": n * k + n * (k // INT8.group_size) * 4 + k * 4, "bf16": n * k * 2 + k * 4}
-    nbytes["vnni"] = nbytes["exact"]
-    row = {"shape": [n, k], "int8_bytes": nbytes["exact"], "bf16_bytes": nbytes["bf16"]}
+    codes, groups = n * k // (1 if fmt == "int8" else 2), n * (k // GROUP)
+    per_group = 1 if fmt == "int8" else 2  # scales (and biases)
+    nbytes = {name: codes + groups * per_group * width + k * 4
+              for name, (_, width) in kernels.items()}
+    nbytes["bf16"] = n * k * 2 + k * 4
+    row = {"shape": [n, k], "format": fmt, "bytes": nbytes}
+    quant_bytes = codes + groups * per_group * 6  # both scale copies sit in each pack
     for regime in ("hot", "cold"):
-        copies = {f: 1 if regime == "hot" else max(2, math.ceil(pool_bytes / nbytes[f]))
-                  for f in ("exact", "bf16")}
-        for name, secs in time_regime(n, k, copies, nbytes, kernels).items():
+        copies = {f: 1 if regime == "hot" else max(2, math.ceil(pool_bytes / b))
+                  for f, b in (("quant", quant_bytes), ("bf16", nbytes["bf16"]))}
+        for name, secs in time_regime(n, k, fmt, copies, nbytes, kernels).items():
             # the quietest round: a neighbour's load only ever slows a round down
             row[f"{regime}_{name}_us"] = min(secs) * 1e6
             row[f"{regime}_{name}_gbs"] = nbytes[name] / min(secs) / 1e9
@@ -139,37 +184,42 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--format", choices=("int8", "int4"), default="int8")
     ap.add_argument("--pool-mb", type=int, default=768, help="cold regime: bytes of copies rotated")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     lib = native_lib()
     if lib is None or not hasattr(lib, "ds_gemv_q8_vnni"):
         sys.exit("needs the native library built with AVX512-VNNI")
-    kernels = {"exact": q8_call(lib.ds_gemv_q8), "vnni": q8_call(lib.ds_gemv_q8_vnni)}
+    kernels = kernels_for(lib, args.format)
+    names = [*kernels, "bf16"]
     bw = stream_gbs()  # again at the end: a shared host's bandwidth drifts
     rows = []
-    head = f"{'N x K':>13} {'regime':>6} | {'exact us':>9} {'GB/s':>5} | {'vnni us':>9} {'GB/s':>5}" \
-           f" | {'bf16 us':>9} {'GB/s':>5} | vnni/exact"
-    print(f"streaming read (fp32 torch GEMV, 256 MB): {bw:.1f} GB/s\n{head}")
+    head = f"{'N x K':>13} {'regime':>6} | " + " | ".join(f"{n + ' us':>12} {'GB/s':>5}"
+                                                         for n in names)
+    print(f"streaming read (fp32 torch GEMV, 256 MB): {bw:.1f} GB/s\n{head} | speed-ups")
+    first, vnni = names[0], next(n for n in names if n.startswith("vnni"))
     for n, k in SHAPES:
-        row = time_shape(n, k, args.pool_mb << 20, kernels)
-        row["vnni_rel_l2_vs_spec"] = rel_err_vs_spec(n, k, kernels["vnni"])
+        row = time_shape(n, k, args.format, args.pool_mb << 20, kernels)
+        row["vnni_rel_l2_vs_spec"] = rel_err_vs_spec(n, k, args.format, kernels[vnni][0])
         rows.append(row)
         for r in ("hot", "cold"):
-            cells = " | ".join(f"{row[f'{r}_{m}_us']:9.1f} {row[f'{r}_{m}_gbs']:5.1f}"
-                               for m in ("exact", "vnni", "bf16"))
-            speed = row[f"{r}_exact_us"] / row[f"{r}_vnni_us"]
-            print(f"{n:>6} x {k:<5} {r:>6} | {cells} | {speed:.2f}x", flush=True)
+            cells = " | ".join(f"{row[f'{r}_{m}_us']:12.1f} {row[f'{r}_{m}_gbs']:5.1f}"
+                               for m in names)
+            speed = " ".join(f"{m}/{first} {row[f'{r}_{first}_us'] / row[f'{r}_{m}_us']:.3f}x"
+                             for m in names[1:-1])
+            print(f"{n:>6} x {k:<5} {r:>6} | {cells} | {speed}", flush=True)
     bw_end = stream_gbs()
     print(f"streaming read at the end: {bw_end:.1f} GB/s")
     repo = Path(__file__).resolve().parents[2]
     git = [subprocess.run(["git", *a], capture_output=True, text=True, cwd=repo).stdout.strip()
            for a in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
     commit = git[0] + ("+uncommitted" if git[1] else "")
-    record = {"kind": "cpu-qgemv", "date": datetime.date.today().isoformat(), "git_commit": commit,
-              "cpu": cpu_model(), "threads": THREADS, "torch": torch.__version__,
-              "stream_read_gbs": [bw, bw_end], "pool_mb": args.pool_mb, "rows": rows,
-              "note": "int8 group 64, fp32 scales; GB/s = bytes read / median time"}
+    record = {"kind": "cpu-qgemv", "format": args.format, "date": datetime.date.today().isoformat(),
+              "git_commit": commit, "cpu": cpu_model(), "threads": THREADS,
+              "torch": torch.__version__, "stream_read_gbs": [bw, bw_end], "pool_mb": args.pool_mb,
+              "rows": rows, "note": f"{args.format} group {GROUP}; kernels named *_f16 read fp16 "
+              "scales (and biases), the others fp32; GB/s = bytes read / median time"}
     Path(args.out).write_text(json.dumps(record, indent=1))
 
 

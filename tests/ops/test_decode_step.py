@@ -127,7 +127,7 @@ def quantized_dir(request, tmp_path_factory, tiny_dir):
 @pytest.mark.parametrize("exact_int8", ["0", "1"])
 def test_quantized_weights_match_the_layered_path(quantized_dir, exact_int8, num_seqs,
                                                   monkeypatch) -> None:
-    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact_int8)  # int8: VNNI and fp32 kernels
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact_int8)  # int8, int4: VNNI and fp32 kernels
     env.cache_clear()
     assert_native_equals_layered(LLM(quantized_dir, dtype="float32").model, monkeypatch,
                                  num_seqs)
@@ -201,7 +201,8 @@ def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeyp
     int4) take 32 rows, q1 (a GEMV per row) 16."""
     lm = LLM(quantized_dir, dtype="float32").model
     plan = decode_step.build_plan(lm, *pools(lm))
-    multi = all(getattr(spec, name).kind in (decode_step.Q8, decode_step.Q8_VNNI, decode_step.A4)
+    multi_kinds = (decode_step.Q8, decode_step.Q8_VNNI, decode_step.A4, decode_step.A4_VNNI)
+    multi = all(getattr(spec, name).kind in multi_kinds
                 for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
     assert plan.max_rows == (QGEMM_MAX_ROWS if multi else 16)
     for num_seqs in (plan.max_rows, plan.max_rows + 1):

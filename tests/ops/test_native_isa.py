@@ -73,28 +73,60 @@ def test_bf16_gemv_and_gemm(lib, rows, cols) -> None:
     assert rel(y1, want[:1]) <= 1e-6 and rel(y3, want) <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q1"])
-@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 256)])
-def test_quantized_gemvs(lib, name, rows, cols) -> None:
-    p = packed(rows, cols, name)
-    group = FORMATS[name].group_size
-    x = torch.randn(3, cols)
-    want = F.linear(x, dequantize(p, FORMATS[name], torch.float32))
-    got = torch.empty(3, rows)
-    for r in range(3):
-        args = [ptr(x[r]), ptr(got[r]), L(rows), L(cols), L(group), 2]
+SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _odd_scales(p: dict) -> dict:
+    """The first groups' scales set to fp16 subnormals, a signed zero and a value only fp32
+    holds (its fp16 and bf16 roundings differ from it): each widening path meets them."""
+    s = p["scales"].clone()
+    s.view(-1)[:4] = torch.tensor([6e-8, 3.1e-6, -0.0, 1 / 3])
+    return {**p, "scales": s}
+
+
+def _kernel_rows(lib, name: str, p: dict, x: torch.Tensor, group: int) -> torch.Tensor:
+    """Each row of x through the GEMV, with p's scales (and biases) in their own dtype."""
+    rows, cols = p["weight"].shape[0], x.shape[1]
+    kind = SCALE_KINDS[p["scales"].dtype]
+    got = torch.empty(x.shape[0], rows)
+    for r in range(x.shape[0]):
+        args = [ptr(x[r]), ptr(got[r]), L(rows), L(cols), L(group), 2, kind]
         if name == "int8":
             lib.ds_gemv_q8(ptr(p["weight"]), ptr(p["scales"]), *args)
         elif name == "int4":
             lib.ds_gemv_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), *args)
         else:
             lib.ds_gemv_q1(ptr(p["weight"]), ptr(p["scales"]), *args)
-    assert rel(got, want) <= 1e-5
+    return got
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "q1"])
+@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 256)])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantized_gemvs(lib, name, rows, cols, scale_dtype) -> None:
+    """Against dequantize-then-F.linear; scales held as fp16 / bf16 give the bits of the same
+    values widened to fp32 (the widening is exact, subnormals and signed zeros included)."""
+    p = _odd_scales(packed(rows, cols, name))
+    narrow = {k: v.to(scale_dtype) if v.is_floating_point() else v for k, v in p.items()}
+    wide = {k: v.float() if v.is_floating_point() else v for k, v in narrow.items()}
+    group = FORMATS[name].group_size
+    x = torch.randn(3, cols)
+    got = _kernel_rows(lib, name, narrow, x, group)
+    assert rel(got, F.linear(x, dequantize(narrow, FORMATS[name], torch.float32))) <= 1e-5
+    if scale_dtype != torch.float32:
+        assert torch.equal(got, _kernel_rows(lib, name, wide, x, group))
     if name != "q1":  # the multi-row kernels: each row the bits of its own GEMV
         multi = torch.empty(3, rows)
-        args = [ptr(x), ptr(multi), L(3), L(rows), L(cols), L(group), 2]
+        args = [ptr(x), ptr(multi), L(3), L(rows), L(cols), L(group), 2,
+                SCALE_KINDS[scale_dtype]]
         if name == "int8":
-            lib.ds_gemm_q8(ptr(p["weight"]), ptr(p["scales"]), *args)
+            lib.ds_gemm_q8(ptr(narrow["weight"]), ptr(narrow["scales"]), *args)
         else:
-            lib.ds_gemm_a4(ptr(p["weight"]), ptr(p["scales"]), ptr(p["biases"]), *args)
+            lib.ds_gemm_a4(ptr(narrow["weight"]), ptr(narrow["scales"]), ptr(narrow["biases"]),
+                           *args)
         assert torch.equal(multi, got)
+    out = torch.empty(rows, cols)  # the prefill dequantizer: dequantize()'s bits
+    lib.ds_dequant(["int8", "int4", "q1"].index(name), ptr(narrow["weight"]),
+                   ptr(narrow["scales"]), ptr(narrow.get("biases", narrow["scales"])), ptr(out),
+                   L(rows), L(cols), L(group), 2, SCALE_KINDS[scale_dtype])
+    assert torch.equal(out, dequantize(narrow, FORMATS[name], torch.float32))

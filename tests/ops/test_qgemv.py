@@ -7,7 +7,17 @@ import torch
 
 from deltaserve.env import env
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import dequantize_into, qgemv, qgemv_q8_act_ref, qgemv_ref, quantize_act
+from deltaserve.ops.qgemv import (
+    SCALE_KINDS,
+    a4_is_vnni,
+    dequantize_into,
+    q8_is_vnni,
+    qgemv,
+    qgemv_a4_act_ref,
+    qgemv_q8_act_ref,
+    qgemv_ref,
+    quantize_act,
+)
 from deltaserve.quant.schemes import FORMATS, INT8, Scheme, dequantize, quantize
 
 SCHEMES = {**FORMATS, "int8-g32": Scheme("int8", 8, 32), "affine8": Scheme("affine", 8, 64)}
@@ -60,7 +70,8 @@ def vnni(x: torch.Tensor, p: dict, group: int = 64) -> torch.Tensor:
     """The VNNI kernel itself (qgemv's dispatch may pick the exact one for a shape)."""
     out = torch.empty(1, p["weight"].shape[0])
     native_lib().ds_gemv_q8_vnni(p["weight"].data_ptr(), p["scales"].data_ptr(), x.data_ptr(),
-                                 out.data_ptr(), p["weight"].shape[0], x.shape[-1], group, 2)
+                                 out.data_ptr(), p["weight"].shape[0], x.shape[-1], group, 2,
+                                 SCALE_KINDS[p["scales"].dtype])
     return out
 
 
@@ -145,6 +156,37 @@ def test_native_dequantizer_matches_the_reference(name) -> None:
     assert not torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "q1"])
+def test_narrow_scales_give_the_bits_of_fp32_scales(name) -> None:
+    """The model holds scales (and biases) as fp16 / bf16 where exact (quant/linear.narrow_scales_):
+    this machine's kernels (VNNI int8 included) widen them to the very bits the fp32 copy gives,
+    for the GEMV, the multi-row kernel and the prefill dequantizer; a pair held in two dtypes is
+    widened for the call."""
+    from deltaserve.ops.qgemv import qgemm_rows
+
+    scheme = FORMATS[name]
+    torch.manual_seed(11)
+    half = quantize(torch.randn(203, 1024), scheme)  # the file's dtype: fp16
+    assert half["scales"].dtype == torch.float16
+    x = torch.randn(3, 1024)
+    forms = {dtype: {k: v.to(dtype) if v.is_floating_point() else v for k, v in half.items()}
+             for dtype in (torch.float32, torch.float16)}
+    if scheme.has_biases():
+        forms["mixed"] = {**forms[torch.float16], "biases": forms[torch.float32]["biases"]}
+    outs = {}
+    for dtype, p in forms.items():
+        multi = qgemm_rows(x, p, scheme)
+        outs[dtype] = (qgemv(x[:1], p, scheme), None if multi is None else multi,
+                       dequantize_into(p, scheme, torch.empty(203, 1024)))
+    for dtype, got in outs.items():
+        for a, b in zip(got, outs[torch.float32], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), dtype
+    bf = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in half.items()}
+    wide = {k: v.float() if v.is_floating_point() else v for k, v in bf.items()}
+    assert torch.equal(qgemv(x[:1], bf, scheme), qgemv(x[:1], wide, scheme))
+    assert not torch.equal(outs[torch.float16][0], torch.zeros(1, 203))
+
+
 MULTI_ROW = {"int8": INT8, "int8-g32": Scheme("int8", 8, 32), "int4": FORMATS["int4"],
              "int4-g16": Scheme("affine", 4, 16)}
 
@@ -167,9 +209,15 @@ def test_multi_row_gemm_is_a_gemv_per_row_bit_for_bit(name, num_rows, rows, cols
     assert got is not None, "the multi-row kernel did not run"
     want = torch.cat([qgemv(x[r : r + 1], packed, scheme) for r in range(num_rows)])
     assert torch.equal(got, want)
-    if scheme.kind == "affine" or scheme.group_size == 32:  # fp32 x: the spec within rounding
+    exact = not (a4_is_vnni if scheme.kind == "affine" else q8_is_vnni)(native_lib(), rows, cols,
+                                                                         scheme.group_size)
+    if exact:  # fp32 x: the spec within rounding
         spec = x @ dequantize(packed, scheme, torch.float32).T
         assert torch.allclose(got, spec, rtol=1e-4, atol=1e-4 * spec.abs().max().item())
+    else:  # x rounded per group: the int8-activation reference, row by row
+        ref = qgemv_a4_act_ref if scheme.kind == "affine" else qgemv_q8_act_ref
+        spec = torch.cat([ref(x[r : r + 1], packed, scheme) for r in range(num_rows)])
+        assert ((got - spec).norm() / spec.norm()).item() <= 1e-5
 
 
 def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:

@@ -1,4 +1,4 @@
-"""quant/linear.py: the quantized module's scales narrowed for CUDA (narrow_scales_)."""
+"""quant/linear.py: the quantized module's scales narrowed after loading (narrow_scales_)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,17 @@ def test_fp16_values_narrow_to_fp16_exactly() -> None:
     assert narrow_scales_(module) == 0  # nothing left to narrow
 
 
-def test_each_tensor_takes_the_narrowest_exact_dtype() -> None:
-    """bf16-only values (beyond fp16's range) become bf16; values neither holds stay fp32."""
+def test_each_module_takes_the_narrowest_dtype_exact_for_both() -> None:
+    """bf16-only values (beyond fp16's range) make the module bf16, its fp16-exact biases too;
+    values neither holds keep the module fp32; other modules narrow on their own."""
     wide = packed_linear(INT8, torch.full((4, 2), 2.0**20))
     fine = packed_linear(INT8, torch.full((4, 2), 1.0 + 2.0**-20))
-    model = nn.Sequential(wide, fine, nn.LayerNorm(8))
-    assert narrow_scales_(model) == 1
+    mixed = packed_linear(INT4, torch.full((4, 2), 0.5), torch.full((4, 2), 2.0**20))
+    stuck = packed_linear(INT4, torch.full((4, 2), 0.5), torch.full((4, 2), 1.0 + 2.0**-20))
+    model = nn.Sequential(wide, fine, mixed, stuck, nn.LayerNorm(8))
+    assert narrow_scales_(model) == 3
     assert wide.scales.dtype == torch.bfloat16 and wide.scales.float().eq(2.0**20).all()
     assert fine.scales.dtype == torch.float32
+    assert mixed.scales.dtype == mixed.biases.dtype == torch.bfloat16
+    assert mixed.scales.float().eq(0.5).all() and mixed.biases.float().eq(2.0**20).all()
+    assert stuck.scales.dtype == stuck.biases.dtype == torch.float32

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve import LLM
 from deltaserve.checkpoint.default import default_model_dir
+from deltaserve.env import env
 from deltaserve.errors import CheckpointError
 
 SHIFTED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
@@ -80,14 +81,27 @@ def write_mlx(src, out, bits: int, group: int = 64):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_mlx_checkpoint_runs_like_its_dequantized_weights(tmp_path, bits) -> None:
+def test_mlx_checkpoint_runs_like_its_dequantized_weights(tmp_path, bits, monkeypatch) -> None:
+    """On the exact kernels (fp32 activations) to fp32 rounding. This short prompt's rows take the
+    decode GEMV, which for 4-bit affine on AVX512-VNNI rounds x per group to int8 by default
+    (ops/qgemv.py): that stays within the rounding's ~1% (MLX 8-bit affine has no such kernel)."""
     mlx_dir, ref_dir = write_mlx(default_model_dir(), tmp_path, bits)
-    ours, ref = LLM(mlx_dir, dtype="float32"), LLM(ref_dir, dtype="float32")
-    assert ours.model.model.layers[0].mlp.down_proj.scheme.bits == bits
     ids = torch.tensor(PROMPT_IDS)
-    lo = ours.model(ids, ours.model.new_state(), all_logits=True)
+    ref = LLM(ref_dir, dtype="float32")
     lr = ref.model(ids, ref.model.new_state(), all_logits=True)
-    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
+    errors = {}
+    for exact in ("1", "0"):
+        monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact)
+        env.cache_clear()
+        try:
+            ours = LLM(mlx_dir, dtype="float32")
+            assert ours.model.model.layers[0].mlp.down_proj.scheme.bits == bits
+            lo = ours.model(ids, ours.model.new_state(), all_logits=True)
+        finally:
+            env.cache_clear()
+        errors[exact] = ((lo - lr).norm() / lr.norm()).item()
+    assert errors["1"] <= 1e-5
+    assert errors["0"] <= (3e-2 if bits == 4 else 1e-5)
 
 
 def test_mlx_file_with_wrong_packing_is_a_clear_error(tmp_path) -> None:

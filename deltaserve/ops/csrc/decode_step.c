@@ -10,14 +10,15 @@
 #include <string.h>
 #include "simd.h"
 
-enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4 };
+enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4, DS_A4_VNNI = 5 };
 
 typedef struct {  // y[n] = sum_k W[n,k] x[k]; W in one of the formats above
   int kind;
   const void* w;
-  const float* s;  // per-group scales [n, k/g] (quantized kinds)
-  const float* b;  // per-group biases (4-bit affine)
+  const void* s;  // per-group scales [n, k/g] (quantized kinds)
+  const void* b;  // per-group biases (4-bit affine)
   long n, k, g;
+  int scale_kind;  // of s and b: DS_SCALE_F32 / F16 / BF16 (scales.h)
 } DsMat;
 
 typedef struct {
@@ -49,14 +50,16 @@ typedef struct {
 } DsModel;
 
 void ds_gemv_bf16(const uint16_t* w, const float* x, float* y, long N, long K, int num_threads);
-void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
-                int num_threads);
-void ds_gemv_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long N, long K,
-                     long G, int num_threads);
-void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
-                long K, long G, int num_threads);
-void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
-                int num_threads);
+void ds_gemv_q8(const int8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind);
+void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long N, long K,
+                     long G, int num_threads, int scale_kind);
+void ds_gemv_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y, long N,
+                long K, long G, int num_threads, int scale_kind);
+void ds_gemv_q1(const uint8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind);
+void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                     long N, long K, long G, int num_threads, int scale_kind);
 void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const float* a,
                          float* window, const float* conv_w, const float* a_log,
                          const float* dt_bias, float* state, const float* norm_w, float* out,
@@ -79,24 +82,28 @@ static float dot_f32(const float* a, const float* b, long n) {
 
 void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, long K,
                   int num_threads);
-void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y,
-                long M, long N, long K, long G, int num_threads);
-void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long M, long N, long K,
-                long G, int num_threads);
+void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                long M, long N, long K, long G, int num_threads, int scale_kind);
+void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M, long N, long K,
+                long G, int num_threads, int scale_kind);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-void ds_gemm_q8_vnni(const int8_t* w, const float* s, const float* x, float* y, long M, long N,
-                     long K, long G, int num_threads);
+void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
+                     long K, long G, int num_threads, int scale_kind);
+void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                     long M, long N, long K, long G, int num_threads, int scale_kind);
 #endif
 
 static void matvec(const DsMat* m, const float* x, float* y, int threads) {
+  const int sk = m->scale_kind;
   switch (m->kind) {
     case DS_BF16: ds_gemv_bf16(m->w, x, y, m->n, m->k, threads); break;
-    case DS_Q8: ds_gemv_q8(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+    case DS_Q8: ds_gemv_q8(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+    case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+    case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
-    case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads); break;
-    default: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads); break;
+    case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
+    default: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
   }
 }
 
@@ -110,12 +117,14 @@ static void matmat(const DsMat* m, const float* x, float* y, long rows, int thre
   } else if (m->kind == DS_BF16) {
     ds_gemm_bf16(m->w, x, y, rows, m->n, m->k, threads);
   } else if (m->kind == DS_Q8) {
-    ds_gemm_q8(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads);
+    ds_gemm_q8(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
   } else if (m->kind == DS_A4) {
-    ds_gemm_a4(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads);
+    ds_gemm_a4(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   } else if (m->kind == DS_Q8_VNNI) {
-    ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads);
+    ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
+  } else if (m->kind == DS_A4_VNNI) {
+    ds_gemm_a4_vnni(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
 #endif
   } else {
     for (long r = 0; r < rows; r++) matvec(m, x + r * m->k, y + r * m->n, threads);

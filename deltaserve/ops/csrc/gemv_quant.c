@@ -1,13 +1,15 @@
-// Decode GEMVs that read quantized weights directly: fp32 activations, scales and accumulation.
-//   q8: w = s * q, q int8 [N,K], s fp32 [N,K/G]
+// Decode GEMVs that read quantized weights directly: fp32 activations and accumulation; scales
+// (and biases) fp32, fp16 or bf16 as scale_kind says (scales.h), widened exactly.
+//   q8: w = s * q, q int8 [N,K], s [N,K/G]
 //   a4: w = s * q + b, q 4-bit codes, byte i of a row holds elements 2i (low) and 2i+1 (high)
 //   q1: w = s * (2b - 1), bit k%8 of byte k/8 is element k
 // Per group: dot(codes, x) times the scale, plus bias times sum(x over the group) (a4) or minus
-// sum(x) (q1), so each code is touched once. ops/qgemv.py holds the torch reference. int8 on
-// int8 activations (VNNI) lives in gemv_q8_vnni.c.
+// sum(x) (q1), so each code is touched once. ops/qgemv.py holds the torch reference. int8 and
+// 4-bit codes on int8 activations (VNNI) live in gemv_vnni.c.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "scales.h"
 #include "simd.h"
 
 // a * b + c stays two roundings wherever it is written here, so a scalar expression repeated in a
@@ -31,7 +33,7 @@ static void group_sums(const float* x, float* xs, long K, long G) {
   }
 }
 
-static float row_q8(const int8_t* w, const float* s, const float* x, long K, long G) {
+static float row_q8(const int8_t* w, const void* s, int sk, const float* x, long K, long G) {
   float acc = 0.f;
 #if DS_SIMD16
   if (G % 16 == 0) {  // per-group partial sums scaled as vectors: one horizontal sum per row
@@ -41,7 +43,7 @@ static float row_q8(const int8_t* w, const float* s, const float* x, long K, lon
       for (long k = g * G; k < (g + 1) * G; k += 16) {
         v = vf_fma(vf_load_i8(w + k), vf_load(x + k), v);
       }
-      total = vf_fma(v, vf_set1(s[g]), total);
+      total = vf_fma(v, vf_set1(ds_scale(s, g, sk)), total);
     }
     return vf_sum(total);
   }
@@ -49,13 +51,13 @@ static float row_q8(const int8_t* w, const float* s, const float* x, long K, lon
   for (long g = 0; g < K / G; g++) {
     float part = 0.f;
     for (long k = g * G; k < (g + 1) * G; k++) part += (float)w[k] * x[k];
-    acc += part * s[g];
+    acc += part * ds_scale(s, g, sk);
   }
   return acc;
 }
 
 // xe/xo: x at even / odd positions, so low and high nibbles each meet a contiguous x vector.
-static float row_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
+static float row_a4(const uint8_t* w, const void* s, const void* b, int sk, const float* xe,
                     const float* xo, const float* xs, long K, long G) {
   float acc = 0.f;
 #if DS_SIMD16
@@ -69,8 +71,8 @@ static float row_a4(const uint8_t* w, const float* s, const float* b, const floa
         v = vf_fma(lo, vf_load(xe + i), v);
         v = vf_fma(hi, vf_load(xo + i), v);
       }
-      total = vf_fma(v, vf_set1(s[g]), total);
-      acc += b[g] * xs[g];
+      total = vf_fma(v, vf_set1(ds_scale(s, g, sk)), total);
+      acc += ds_scale(b, g, sk) * xs[g];
     }
     return acc + vf_sum(total);
   }
@@ -92,13 +94,13 @@ static float row_a4(const uint8_t* w, const float* s, const float* b, const floa
     part = vf_sum(v);
 #endif
     for (; i < G / 2; i++) part += (float)(wg[i] & 0xF) * eg[i] + (float)(wg[i] >> 4) * og[i];
-    acc += part * s[g] + b[g] * xs[g];
+    acc += part * ds_scale(s, g, sk) + ds_scale(b, g, sk) * xs[g];
   }
   return acc;
 }
 
-static float row_q1(const uint8_t* w, const float* s, const float* x, const float* xs, long K,
-                    long G) {
+static float row_q1(const uint8_t* w, const void* s, int sk, const float* x, const float* xs,
+                    long K, long G) {
   float acc = 0.f;
   for (long g = 0; g < K / G; g++) {
     const uint8_t* wg = w + g * G / 8;
@@ -113,7 +115,7 @@ static float row_q1(const uint8_t* w, const float* s, const float* x, const floa
     part = vf_sum(v);
 #endif
     for (; k < G; k++) part += ((wg[k / 8] >> (k % 8)) & 1) ? xg[k] : 0.f;
-    acc += s[g] * (2.f * part - xs[g]);
+    acc += ds_scale(s, g, sk) * (2.f * part - xs[g]);
   }
   return acc;
 }
@@ -122,8 +124,8 @@ static float row_q1(const uint8_t* w, const float* s, const float* x, const floa
 #define Q8_ROWS 4
 // Q8_ROWS rows at once share each x load; the next block's codes are prefetched (bf16 kernel's
 // recipe: one row at a time streamed ~12 GB/s on the vocabulary head here).
-static void block_q8(const int8_t* w, const float* s, const float* x, float* y, long n0, long K,
-                     long G) {
+static void block_q8(const int8_t* w, const void* s, int sk, const float* x, float* y, long n0,
+                     long K, long G) {
   vf16 total[Q8_ROWS];
   for (int r = 0; r < Q8_ROWS; r++) total[r] = vf_zero();
   const int8_t* rows = w + n0 * K;
@@ -139,32 +141,33 @@ static void block_q8(const int8_t* w, const float* s, const float* x, float* y, 
       }
     }
     for (int r = 0; r < Q8_ROWS; r++)
-      total[r] = vf_fma(v[r], vf_set1(s[(n0 + r) * (K / G) + g]), total[r]);
+      total[r] = vf_fma(v[r], vf_set1(ds_scale(s, (n0 + r) * (K / G) + g, sk)), total[r]);
   }
   for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = vf_sum(total[r]);
 }
 #endif
 
-void ds_gemv_q8(const int8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
-                int num_threads) {
+void ds_gemv_q8(const int8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind) {
   long first_tail = 0;
 #if DS_SIMD16
   if (G % 16 == 0) {
     long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (long b = 0; b < num_blocks; b++) block_q8(w, s, x, y, b * Q8_ROWS, K, G);
+    for (long b = 0; b < num_blocks; b++) block_q8(w, s, scale_kind, x, y, b * Q8_ROWS, K, G);
     first_tail = num_blocks * Q8_ROWS;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long n = first_tail; n < N; n++) y[n] = row_q8(w + n * K, s + n * (K / G), x, K, G);
+  for (long n = first_tail; n < N; n++)
+    y[n] = row_q8(w + n * K, ds_scale_at(s, n * (K / G), scale_kind), scale_kind, x, K, G);
 }
 
 #if DS_SIMD16
 // block_q8 for activation rows m0 and (if two) m0 + 1 of a multi-row call: each chunk of codes is
 // widened once for both rows, and every (row, weight row) accumulator takes block_q8's FMAs in
 // block_q8's order, so each row gets the bits of its own GEMV; y is [M, N].
-static void block_q8_rows(const int8_t* w, const float* s, const float* x, float* y, long n0,
+static void block_q8_rows(const int8_t* w, const void* s, int sk, const float* x, float* y, long n0,
                           long m0, int two, long N, long K, long G) {
   const float *x0 = x + m0 * K, *x1 = two ? x0 + K : x0;
   vf16 total[2][Q8_ROWS];
@@ -187,7 +190,8 @@ static void block_q8_rows(const int8_t* w, const float* s, const float* x, float
     }
     for (int m = 0; m < 2; m++)
       for (int r = 0; r < Q8_ROWS; r++)
-        total[m][r] = vf_fma(v[m][r], vf_set1(s[(n0 + r) * (K / G) + g]), total[m][r]);
+        total[m][r] =
+            vf_fma(v[m][r], vf_set1(ds_scale(s, (n0 + r) * (K / G) + g, sk)), total[m][r]);
   }
   for (int m = 0; m < 1 + two; m++)
     for (int r = 0; r < Q8_ROWS; r++) y[(m0 + m) * N + n0 + r] = vf_sum(total[m][r]);
@@ -197,8 +201,8 @@ static void block_q8_rows(const int8_t* w, const float* s, const float* x, float
 // M activation rows (decode batches, draft rows) over int8 codes on fp32 x (the exact kernel: no
 // VNNI, or DELTASERVE_EXACT_INT8_ACT=1): codes stream once and are widened once per two rows;
 // the bits of M ds_gemv_q8 calls.
-void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long M, long N, long K,
-                long G, int num_threads) {
+void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M, long N, long K,
+                long G, int num_threads, int scale_kind) {
   long first_tail = 0;
 #if DS_SIMD16
   if (G % 16 == 0) {
@@ -206,19 +210,20 @@ void ds_gemm_q8(const int8_t* w, const float* s, const float* x, float* y, long 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (long b = 0; b < num_blocks; b++)
       for (long m0 = 0; m0 < M; m0 += 2)
-        block_q8_rows(w, s, x, y, b * Q8_ROWS, m0, m0 + 1 < M, N, K, G);
+        block_q8_rows(w, s, scale_kind, x, y, b * Q8_ROWS, m0, m0 + 1 < M, N, K, G);
     first_tail = num_blocks * Q8_ROWS;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
   for (long m = 0; m < M; m++)
     for (long n = first_tail; n < N; n++)
-      y[m * N + n] = row_q8(w + n * K, s + n * (K / G), x + m * K, K, G);
+      y[m * N + n] = row_q8(w + n * K, ds_scale_at(s, n * (K / G), scale_kind), scale_kind,
+                            x + m * K, K, G);
 }
 
 #if DS_SIMD16
 // as block_q8: Q8_ROWS rows share each x load; codes of the next block prefetched
-static void block_a4(const uint8_t* w, const float* s, const float* b, const float* xe,
+static void block_a4(const uint8_t* w, const void* s, const void* b, int sk, const float* xe,
                      const float* xo, const float* xs, float* y, long n0, long K, long G) {
   const long bytes = K / 2, num_groups = K / G;
   vf16 total[Q8_ROWS];
@@ -241,16 +246,16 @@ static void block_a4(const uint8_t* w, const float* s, const float* b, const flo
     }
     for (int r = 0; r < Q8_ROWS; r++) {
       long idx = (n0 + r) * num_groups + g;
-      total[r] = vf_fma(v[r], vf_set1(s[idx]), total[r]);
-      bias[r] += b[idx] * xs[g];
+      total[r] = vf_fma(v[r], vf_set1(ds_scale(s, idx, sk)), total[r]);
+      bias[r] += ds_scale(b, idx, sk) * xs[g];
     }
   }
   for (int r = 0; r < Q8_ROWS; r++) y[n0 + r] = bias[r] + vf_sum(total[r]);
 }
 #endif
 
-void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y, long N,
-                long K, long G, int num_threads) {
+void ds_gemv_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y, long N,
+                long K, long G, int num_threads, int scale_kind) {
   float* xe = malloc(sizeof(float) * (K / 2 + K / G + 1) * 2);
   float* xo = xe + K / 2;
   float* xs = xo + K / 2;
@@ -265,13 +270,14 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
     long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (long blk = 0; blk < num_blocks; blk++)
-      block_a4(w, s, b, xe, xo, xs, y, blk * Q8_ROWS, K, G);
+      block_a4(w, s, b, scale_kind, xe, xo, xs, y, blk * Q8_ROWS, K, G);
     first_tail = num_blocks * Q8_ROWS;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long n = first_tail; n < N; n++)
-    y[n] = row_a4(w + n * (K / 2), s + n * (K / G), b + n * (K / G), xe, xo, xs, K, G);
+    y[n] = row_a4(w + n * (K / 2), ds_scale_at(s, n * (K / G), scale_kind),
+                  ds_scale_at(b, n * (K / G), scale_kind), scale_kind, xe, xo, xs, K, G);
   free(xe);
 }
 
@@ -280,7 +286,7 @@ void ds_gemv_a4(const uint8_t* w, const float* s, const float* b, const float* x
 // codes is unpacked once for both rows, and every (row, weight row) accumulator takes block_a4's
 // FMAs in block_a4's order, so each row gets the bits of its own GEMV. xe/xo/xs hold each row's
 // even / odd x and group sums (row strides K/2, K/2, K/G); y is [M, N].
-static void block_a4_rows(const uint8_t* w, const float* s, const float* b, const float* xe,
+static void block_a4_rows(const uint8_t* w, const void* s, const void* b, int sk, const float* xe,
                           const float* xo, const float* xs, float* y, long n0, long m0, int two,
                           long N, long K, long G) {
   const long bytes = K / 2, num_groups = K / G;
@@ -313,8 +319,8 @@ static void block_a4_rows(const uint8_t* w, const float* s, const float* b, cons
     for (int m = 0; m < 2; m++) {
       for (int r = 0; r < Q8_ROWS; r++) {
         const long idx = (n0 + r) * num_groups + g;
-        total[m][r] = vf_fma(v[m][r], vf_set1(s[idx]), total[m][r]);
-        bias[m][r] += b[idx] * xs_row[m][g];
+        total[m][r] = vf_fma(v[m][r], vf_set1(ds_scale(s, idx, sk)), total[m][r]);
+        bias[m][r] += ds_scale(b, idx, sk) * xs_row[m][g];
       }
     }
   }
@@ -326,8 +332,8 @@ static void block_a4_rows(const uint8_t* w, const float* s, const float* b, cons
 
 // M activation rows (decode batches, draft rows) over 4-bit affine codes: the codes stream from
 // memory once and each chunk is unpacked once per two rows; the bits of M ds_gemv_a4 calls.
-void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x, float* y,
-                long M, long N, long K, long G, int num_threads) {
+void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                long M, long N, long K, long G, int num_threads, int scale_kind) {
   const long half = K / 2, num_groups = K / G;
   float* xe = malloc(sizeof(float) * M * (K + num_groups + 1));
   if (xe == NULL) abort();  // out of memory: stop rather than write through NULL
@@ -346,14 +352,16 @@ void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (long blk = 0; blk < num_blocks; blk++)
       for (long m0 = 0; m0 < M; m0 += 2)
-        block_a4_rows(w, s, b, xe, xo, xs, y, blk * Q8_ROWS, m0, m0 + 1 < M, N, K, G);
+        block_a4_rows(w, s, b, scale_kind, xe, xo, xs, y, blk * Q8_ROWS, m0, m0 + 1 < M, N, K,
+                      G);
     first_tail = num_blocks * Q8_ROWS;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
   for (long m = 0; m < M; m++)
     for (long n = first_tail; n < N; n++)
-      y[m * N + n] = row_a4(w + n * half, s + n * num_groups, b + n * num_groups, xe + m * half,
+      y[m * N + n] = row_a4(w + n * half, ds_scale_at(s, n * num_groups, scale_kind),
+                            ds_scale_at(b, n * num_groups, scale_kind), scale_kind, xe + m * half,
                             xo + m * half, xs + m * num_groups, K, G);
   free(xe);
 }
@@ -362,8 +370,8 @@ void ds_gemm_a4(const uint8_t* w, const float* s, const float* b, const float* x
 // Q8_ROWS rows share each x load: per 16 weights one masked add of x (the set bits), per group
 // one FMA of that partial sum with 2*s into the row's vector, so one horizontal sum per row
 // (row_q1 summed every group horizontally: compute-bound at ~10% of the memory roofline).
-static void block_q1(const uint8_t* w, const float* s, const float* x, const float* xs, float* y,
-                     long n0, long K, long G) {
+static void block_q1(const uint8_t* w, const void* s, int sk, const float* x, const float* xs,
+                     float* y, long n0, long K, long G) {
   const long bytes = K / 8, num_groups = K / G;
   vf16 total[Q8_ROWS];
   float bias[Q8_ROWS];
@@ -381,7 +389,7 @@ static void block_q1(const uint8_t* w, const float* s, const float* x, const flo
       }
     }
     for (int r = 0; r < Q8_ROWS; r++) {
-      const float sc = s[(n0 + r) * num_groups + g];
+      const float sc = ds_scale(s, (n0 + r) * num_groups + g, sk);
       total[r] = vf_fma(v[r], vf_set1(2.f * sc), total[r]);
       bias[r] += sc * xs[g];
     }
@@ -390,8 +398,8 @@ static void block_q1(const uint8_t* w, const float* s, const float* x, const flo
 }
 #endif
 
-void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long N, long K, long G,
-                int num_threads) {
+void ds_gemv_q1(const uint8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind) {
   float* xs = malloc(sizeof(float) * (K / G + 1));
   group_sums(x, xs, K, G);
   long first_tail = 0;
@@ -399,33 +407,34 @@ void ds_gemv_q1(const uint8_t* w, const float* s, const float* x, float* y, long
   if (G % 16 == 0) {
     const long num_blocks = N / Q8_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (long blk = 0; blk < num_blocks; blk++) block_q1(w, s, x, xs, y, blk * Q8_ROWS, K, G);
+    for (long blk = 0; blk < num_blocks; blk++)
+      block_q1(w, s, scale_kind, x, xs, y, blk * Q8_ROWS, K, G);
     first_tail = num_blocks * Q8_ROWS;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long n = first_tail; n < N; n++)
-    y[n] = row_q1(w + n * (K / 8), s + n * (K / G), x, xs, K, G);
+    y[n] = row_q1(w + n * (K / 8), ds_scale_at(s, n * (K / G), scale_kind), scale_kind, x, xs, K,
+                  G);
   free(xs);
 }
 
 // Whole-matrix dequantization into a caller's fp32 buffer (prefill): one pass, rows over threads.
 // kind: 0 = q8, 1 = a4, 2 = q1; the same formulas as the GEMVs above.
-void ds_dequant(int kind, const uint8_t* w, const float* s, const float* b, float* out, long N,
-                long K, long G, int num_threads) {
+void ds_dequant(int kind, const uint8_t* w, const void* s, const void* b, float* out, long N,
+                long K, long G, int num_threads, int scale_kind) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long n = 0; n < N; n++) {
     float* o = out + n * K;
-    const float* sn = s + n * (K / G);
     for (long g = 0; g < K / G; g++) {  // per group: one scale, an inner loop gcc vectorizes
       float* og = o + g * G;
-      const float sc = sn[g];
+      const float sc = ds_scale(s, n * (K / G) + g, scale_kind);
       if (kind == 0) {
         const int8_t* r = (const int8_t*)w + n * K + g * G;
         for (long k = 0; k < G; k++) og[k] = (float)r[k] * sc;
       } else if (kind == 1) {
         const uint8_t* r = w + n * (K / 2) + g * G / 2;
-        const float bias = b[n * (K / G) + g];
+        const float bias = ds_scale(b, n * (K / G) + g, scale_kind);
         for (long i = 0; i < G / 2; i++) {
           og[2 * i] = (float)(r[i] & 0xF) * sc + bias;
           og[2 * i + 1] = (float)(r[i] >> 4) * sc + bias;
