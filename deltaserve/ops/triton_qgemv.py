@@ -237,7 +237,11 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     # in brackets the best MAGIC 0 config of the same run. The head: 60.9% of copy with fp32
     # scales as above, 60.7 us on fp16 scales (55.6%: the same time on fewer bytes).
     (4, 1024, 0, 16384): (8, 1024, 4, 1, 4),  # 6144 / 7168 rows: 3.86 / 4.16 us [4.39 / 4.69]
-    (4, 1024, 16384, _BIG): (16, 512, 2, 1, 4),  # vocabulary head: 61.7 us [71.0]
+    # The head from the full sweep of 20 tiles x 4 warp counts x MAGIC {2, 4} on fp16 scales
+    # (`qgemv_tune.py --formats int4 --shapes 248320x1024 --magic 2,4 --half-scales`, 2026-12-01,
+    # docs/benchmarks/2026-12-01-h200-c5bc882-qgemv-tune-int4-head-half.json; the quick sweep
+    # above had no 32 x 512 tile): 51.8 us, 67.6% of copy [the previous 16 x 512 entry: 59.2 us]
+    (4, 1024, 16384, _BIG): (32, 512, 2, 1, 4),
     (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }
