@@ -237,11 +237,11 @@ TUNED: dict[tuple[int, int, int, int], Config] = {
     # in brackets the best MAGIC 0 config of the same run. The head: 60.9% of copy with fp32
     # scales as above, 60.7 us on fp16 scales (55.6%: the same time on fewer bytes).
     (4, 1024, 0, 16384): (8, 1024, 4, 1, 4),  # 6144 / 7168 rows: 3.86 / 4.16 us [4.39 / 4.69]
-    # The head from the full sweep of 20 tiles x 4 warp counts x MAGIC {2, 4} on fp16 scales
-    # (`qgemv_tune.py --formats int4 --shapes 248320x1024 --magic 2,4 --half-scales`, 2026-12-01,
-    # docs/benchmarks/2026-12-01-h200-c5bc882-qgemv-tune-int4-head-half.json; the quick sweep
-    # above had no 32 x 512 tile): 51.8 us, 67.6% of copy [the previous 16 x 512 entry: 59.2 us]
-    (4, 1024, 16384, _BIG): (32, 512, 2, 1, 4),
+    # The head: 16 x 512 tiles stay best on bf16 x and y, as the engine runs it (55.1 us with PDL,
+    # 62% of copy; 32 x 512: 57.1), though 32 x 512 wins on fp32 x (51.9 against 61.3 us):
+    # `scripts/gpu/head_probe.py --kernel`, docs/benchmarks/2026-12-01-h200-c7ee210-head-kernel.json.
+    # The greedy head takes 32 x 512 (TUNED_ARGMAX).
+    (4, 1024, 16384, _BIG): (16, 512, 2, 1, 4),
     (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
     (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
 }
@@ -253,6 +253,14 @@ TUNED.update({
     (1, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 1024 rows: 6.36 us (DEFAULT 8.13)
     (1, 1024, 16384, _BIG): (32, 256, 8, 1, 0),  # vocabulary head: 225.5 us (DEFAULT 233.3)
 })
+# The greedy head's GEMV (argmax epilogue, no logits stored), where it differs from TUNED: int4
+# 32 x 512 tiles, from the full sweep on fp16 scales (`qgemv_tune.py --formats int4 --shapes
+# 248320x1024 --magic 2,4 --half-scales`, docs/benchmarks/2026-12-01-h200-c5bc882-qgemv-tune-int4-
+# head-half.json: 51.8 us against 59.2 on fp32 x); in the engine the greedy head's kernels
+# 68.3-69.2 -> 64.7-65.5 us and decode +0.3% in two A/Bs (scripts/gpu/head_probe.py, BENCHMARKS.md).
+TUNED_ARGMAX: dict[tuple[int, int, int, int], Config] = {
+    (4, 1024, 16384, _BIG): (32, 512, 2, 1, 4),
+}
 DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0), 1: (8, 1024, 4, 1, 0)}
 
 
@@ -288,7 +296,7 @@ TUNED_PDL: dict[tuple[int, int, int, int], Config] = {
 
 
 def config_for(bits: int, n: int, k: int, table: dict | None = None) -> Config:
-    """The launch config for a shape: `table` (TUNED_PDL) first when given, then TUNED."""
+    """The launch config for a shape: `table` (TUNED_PDL, TUNED_ARGMAX) first when given, then TUNED."""
     for t in (table or {}, TUNED):
         for (b, kk, lo, hi), cfg in t.items():
             if b == bits and kk == k and lo <= n < hi:
@@ -345,7 +353,7 @@ def qgemv_argmax_cuda(x: torch.Tensor, p: dict, scheme) -> tuple[torch.Tensor, t
     """The GEMV with the greedy head's epilogue: x [1, K] -> per block of BLOCK_N rows the largest
     logit and its row (first on ties), ([1, blocks] fp32, [1, blocks] int32)."""
     w = _words(p, scheme)
-    config = config_for(scheme.bits, w.shape[0], x.shape[-1])
+    config = config_for(scheme.bits, w.shape[0], x.shape[-1], TUNED_ARGMAX)
     blocks = triton.cdiv(w.shape[0], config[0])
     vals = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
     idx = torch.empty(1, blocks, dtype=torch.int32, device=x.device)

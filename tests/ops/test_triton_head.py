@@ -61,3 +61,26 @@ def test_packed_greedy_head_matches_fp32_argmax(fmt) -> None:
     weight = dequantize({k: v.cpu() for k, v in vars(head).items() if k in packed}, scheme,
                         torch.float32)
     assert_argmax_tokens(tokens, F.linear(h, weight), 1e-5)
+
+
+@needs_kernels
+def test_int4_vocabulary_head_takes_the_greedy_table_and_stays_exact() -> None:
+    """A head in TUNED_ARGMAX's window (K 1024, >= 16384 rows; fp16 scales, bf16 h as the engine
+    holds them) runs the greedy table's tile, not the sampling head's, and its tokens are the
+    argmax of the fp32 logits; rows end in a partial tile."""
+    from deltaserve.ops import triton_qgemv
+
+    torch.manual_seed(3)
+    scheme, rows = FORMATS["int4"], 20011
+    packed = quantize(torch.randn(rows, 1024), scheme)  # fp16 scales and biases
+    head = SimpleNamespace(scheme=scheme, in_cols=1024,
+                           **{k: v.to(KDEV) for k, v in packed.items()})
+    greedy_cfg = triton_qgemv.config_for(4, rows, 1024, triton_qgemv.TUNED_ARGMAX)
+    assert greedy_cfg != triton_qgemv.config_for(4, rows, 1024)
+    h = torch.randn(2, 1024).bfloat16()
+    vals, _ = triton_qgemv.qgemv_argmax_cuda(h[:1].to(KDEV), {k: v.to(KDEV) for k, v in
+                                                              packed.items()}, scheme)
+    assert vals.shape[1] == -(-rows // greedy_cfg[0])
+    tokens = triton_head.greedy_packed_cuda(h.to(KDEV), head)
+    weight = dequantize(packed, scheme, torch.float32)
+    assert_argmax_tokens(tokens, F.linear(h.float(), weight), 1e-3)
