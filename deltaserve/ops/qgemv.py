@@ -9,7 +9,9 @@ Q4_1 x Q8_1 semantics: W x^, x^ being x rounded per group. That is not
 bit-comparable to dequantize-then-F.linear (rel-L2 ~0.6% on gaussian data), nor to machines
 without VNNI; the exact references are `qgemv_q8_act_ref` and `qgemv_a4_act_ref`.
 DELTASERVE_EXACT_INT8_ACT=1 keeps fp32 activations (the exact kernels, as do groups that are not
-a multiple of 64 or are over 512).
+a multiple of 64 or are over 512). An infinite x, or one near fp32's largest value, gives NaN on
+these kernels (scale * step overflows), as on their references, where dequantize-then-F.linear
+may give +-inf or a finite value.
 """
 
 from __future__ import annotations

@@ -69,16 +69,24 @@ def narrow_scales_(model: nn.Module) -> int:
             continue
         names = [n for n in ("scales", "biases") if getattr(module, n, None) is not None]
         tensors = [getattr(module, n).data for n in names]
-        if any(t.dtype != torch.float32 for t in tensors):
+        if all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors) \
+                and len({t.dtype for t in tensors}) == 1:
             continue  # already narrowed
+        tensors = [t.float() for t in tensors]  # a pair held in two dtypes: decided afresh
         for dtype in (torch.float16, torch.bfloat16):
             narrow = [t.to(dtype) for t in tensors]
-            if all(torch.equal(n.float(), t) for n, t in zip(narrow, tensors, strict=True)):
+            if all(_same_bits(n.float(), t) for n, t in zip(narrow, tensors, strict=True)):
                 for name, n in zip(names, narrow, strict=True):
                     setattr(module, name, nn.Parameter(n, False))
                 count += len(names)
                 break
     return count
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality of two fp32 tensors: with denormals flushed (the CPU loader sets that) an fp32
+    denormal compares equal to the 0.0 it narrows to, and -0.0 to 0.0; the bits do not."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def is_quantized(module: nn.Module) -> bool:

@@ -48,7 +48,7 @@ SHAPES = [(37, 384), (203, 896), (1000, 1024), (5, 3584), (37, 320), (6, 64), (1
 
 
 @pytest.mark.parametrize(("rows", "cols", "group"), [(*s, 64) for s in SHAPES]
-                         + [(203, 896, 128), (40, 1024, 512)])
+                         + [(203, 896, 128), (40, 1024, 512), (37, 576, 192), (9, 320, 320)])
 def test_matches_the_int8_activation_reference(rows, cols, group) -> None:
     scheme = Scheme("affine", 4, group)
     torch.manual_seed(rows * cols + group)

@@ -45,3 +45,31 @@ def test_each_module_takes_the_narrowest_dtype_exact_for_both() -> None:
     assert mixed.scales.dtype == mixed.biases.dtype == torch.bfloat16
     assert mixed.scales.float().eq(0.5).all() and mixed.biases.float().eq(2.0**20).all()
     assert stuck.scales.dtype == stuck.biases.dtype == torch.float32
+
+
+def test_fp32_denormals_are_not_narrowed_to_zero_with_denormals_flushed() -> None:
+    """The CPU loader flushes denormals before narrowing: an fp32 denormal scale then compares
+    equal to the fp16 zero it rounds to, so exactness is decided on the bits, not on ==. bf16
+    (fp32's exponent range) holds this one exactly, so the module goes there, bits intact."""
+    before = torch.set_flush_denormal(True)
+    try:
+        scales = torch.full((4, 2), 0.5)
+        scales[0, 0] = torch.tensor([0x00400000], dtype=torch.int32).view(torch.float32)[0]
+        module = packed_linear(INT8, scales)
+        bits = module.scales.data.view(torch.int32).clone()
+        assert narrow_scales_(module) == 1
+        assert module.scales.dtype == torch.bfloat16
+        assert torch.equal(module.scales.data.float().view(torch.int32), bits)
+    finally:
+        torch.set_flush_denormal(before)
+
+
+def test_a_pair_held_in_two_dtypes_is_decided_afresh() -> None:
+    """fp16 scales beside fp32 biases (no loader makes them; a caller might): narrowed to one
+    dtype together, as the CPU kernels need, values unchanged."""
+    q = quantize(torch.randn(40, 256), INT4)
+    module = packed_linear(INT4, q["scales"].float(), q["biases"].float())
+    module.scales = nn.Parameter(q["scales"].half(), False)
+    assert narrow_scales_(module) == 2
+    assert module.scales.dtype == module.biases.dtype == torch.float16
+    assert torch.equal(module.biases, q["biases"].half())

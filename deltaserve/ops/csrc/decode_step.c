@@ -103,7 +103,8 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
     case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
-    default: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+    case DS_Q1: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+    default: abort();  // a kind this build lacks (a VNNI plan on a build without it): never guess
   }
 }
 

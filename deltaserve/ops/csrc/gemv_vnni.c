@@ -98,6 +98,7 @@ void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
   }
   // K is a multiple of 64 here: xq fills whole lines; dx and corr follow (8 bytes per group)
   int8_t* xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
+  if (xq == NULL) abort();  // out of memory: stop rather than write through NULL
   float* dx = (float*)(xq + K);
   int32_t* corr = (int32_t*)(dx + K / G);
   quantize_x_q8(x, xq, dx, corr, K, G);
@@ -122,6 +123,7 @@ void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
   }
   const long stride = K + (K / G * 8 + 63) / 64 * 64;  // per row: xq, then dx and corr
   int8_t* xq = aligned_alloc(64, stride * M);
+  if (xq == NULL) abort();  // out of memory: stop rather than write through NULL
   for (long m = 0; m < M; m++) {
     float* dx = (float*)(xq + m * stride + K);
     quantize_x_q8(x + m * K, xq + m * stride, dx, (int32_t*)(dx + K / G), K, G);
@@ -166,6 +168,7 @@ typedef struct {
 
 static void quantize_x_a4(const float* x, XqA4* q, long K, long G) {
   int8_t* xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
+  if (xq == NULL) abort();  // out of memory: stop rather than write through NULL
   float* dx = (float*)(xq + K);
   int32_t* corr = (int32_t*)(dx + K / G);  // -128 * sum(xq) per group
   quantize_x_q8(x, xq, dx, corr, K, G);
