@@ -7,7 +7,7 @@ activation x to int8 per group of the weight's group size (64 in our format; sym
 absmax/127, round to nearest even) and run integer dot products: llama.cpp's Q8_0 x Q8_0 and
 Q4_1 x Q8_1 semantics: W x^, x^ being x rounded per group. That is not
 bit-comparable to dequantize-then-F.linear (rel-L2 ~0.6% on gaussian data), nor to machines
-without VNNI; the exact references are `qgemv_q8_act_ref` and `qgemv_a4_act_ref`.
+without VNNI; their exact reference is `qgemv_act_ref`.
 DELTASERVE_EXACT_INT8_ACT=1 keeps fp32 activations (the exact kernels, as do groups that are not
 a multiple of 64 or are over 512). An infinite x, or one near fp32's largest value, gives NaN on
 these kernels (scale * step overflows), as on their references, where dequantize-then-F.linear
@@ -41,29 +41,23 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     return q.to(torch.int32), d
 
 
-def qgemv_q8_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
-    """The int8-activation GEMV's math in torch: per group, the exact integer dot of codes and
-    quantized x, times scale * dx, summed over groups in fp32. x [1,K] -> [1,N] fp32."""
-    xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
-    w = p["weight"].to(torch.int32).reshape(p["weight"].shape[0], *xq.shape)
-    dots = (w * xq).sum(-1)  # [N, K/G], exact in int32
-    return (dots.float() * (p["scales"].float() * dx)).sum(-1).reshape(1, -1)
-
-
-def qgemv_a4_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
-    """The 4-bit-on-int8-activation GEMV's math in torch: per group, the exact integer dot of the
-    codes (0..15) and quantized x times scale * dx, plus bias times dx * sum(xq); summed over
-    groups in fp32. x [1,K] -> [1,N] fp32."""
+def qgemv_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
+    """The int8-activation GEMVs' math in torch (int8 codes, or 4-bit affine codes 0..15): per
+    group, the exact integer dot of the codes and quantized x times scale * dx, plus (affine)
+    bias times dx * sum(xq); summed over groups in fp32. x [1,K] -> [1,N] fp32."""
     xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
     n = p["weight"].shape[0]
-    q = unpack_codes(p["weight"], scheme.bits).to(torch.int32).reshape(n, *xq.shape)
-    dots = (q * xq).sum(-1)  # [N, K/G], exact in int32
-    xs = dx * xq.sum(-1).float()
-    out = (dots.float() * (p["scales"].float() * dx)).sum(-1) + (p["biases"].float() * xs).sum(-1)
+    codes = p["weight"] if scheme.kind == "int8" else unpack_codes(p["weight"], scheme.bits)
+    dots = (codes.to(torch.int32).reshape(n, *xq.shape) * xq).sum(-1)  # [N, K/G], exact in int32
+    out = (dots.float() * (p["scales"].float() * dx)).sum(-1)
+    if scheme.has_biases():
+        out = out + (p["biases"].float() * (dx * xq.sum(-1).float())).sum(-1)
     return out.reshape(1, -1)
 
 
-_NATIVE_KINDS = {("int8", 8): 0, ("affine", 4): 1, ("q1", 1): 2}
+_NATIVE_KINDS = {("int8", 8): 0, ("affine", 4): 1, ("q1", 1): 2}  # ds_dequant's kind
+# the same layouts' kernel stems (ds_gemv_q8, ...); the VNNI forms append "_vnni" (gemv_vnni.c)
+_STEMS = {("int8", 8): "q8", ("affine", 4): "a4", ("q1", 1): "q1"}
 # The kernels' scale_kind (ops/csrc/scales.h): the dtype the scales and biases are held in.
 SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -144,11 +138,6 @@ def _vnni_allowed(lib, name: str, fmt: str, n: int, k: int, group: int) -> bool:
     return vnni_wins(fmt, n, k)
 
 
-def _q8_fn(lib, n: int, k: int, group: int):
-    """The int8 GEMV for this shape: VNNI where built, allowed and measured faster, else exact."""
-    return lib.ds_gemv_q8_vnni if q8_is_vnni(lib, n, k, group) else lib.ds_gemv_q8
-
-
 def q8_is_vnni(lib, n: int, k: int, group: int) -> bool:
     """Whether the int8 GEMV for this shape is the VNNI one (its multi-row and native-step forms
     follow the same choice, so every path gives a row the same bits)."""
@@ -160,52 +149,46 @@ def a4_is_vnni(lib, n: int, k: int, group: int) -> bool:
     return _vnni_allowed(lib, "ds_gemv_a4_vnni", "int4", n, k, group)
 
 
+def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
+    """The native kernel for this weight: the GEMV (multi False) or the multi-row kernel that
+    gives each row the GEMV's bits (None for q1, which has none); VNNI where q8_is_vnni /
+    a4_is_vnni say so, so both forms always take the same one."""
+    stem = _STEMS[(scheme.kind, scheme.bits)]
+    if multi and stem == "q1":
+        return None
+    vnni = {"q8": q8_is_vnni, "a4": a4_is_vnni}.get(stem)
+    fast = vnni is not None and vnni(lib, n, k, scheme.group_size)
+    fn = getattr(lib, f"ds_{'gemm' if multi else 'gemv'}_{stem}{'_vnni' if fast else ''}", None)
+    if multi and fn is not None and fn.argtypes is None:  # registered beside its one caller
+        num_ptrs = 5 if scheme.has_biases() else 4
+        fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
+        fn.restype = None
+    return fn
+
+
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]
     native = lib is not None and not env().reference_ops and x.device.type == "cpu"
-    kind = (scheme.kind, scheme.bits)
-    if not native or kind not in (("int8", 8), ("affine", 4), ("q1", 1)):
+    if not native or (scheme.kind, scheme.bits) not in _STEMS:
         return qgemv_ref(x, p, scheme)
     w = p["weight"].contiguous()
     s, b, scale_kind = scales_of(p, scheme)
     x = x.float().contiguous()
     out = torch.empty(1, w.shape[0], dtype=torch.float32)
-    args = (x.data_ptr(), out.data_ptr(), w.shape[0], k, scheme.group_size, torch.get_num_threads(),
-            scale_kind)
-    if kind == ("int8", 8):
-        _q8_fn(lib, w.shape[0], k, scheme.group_size)(w.data_ptr(), s.data_ptr(), *args)
-    elif kind == ("affine", 4):
-        fn = lib.ds_gemv_a4_vnni if a4_is_vnni(lib, w.shape[0], k, scheme.group_size) \
-            else lib.ds_gemv_a4
-        fn(w.data_ptr(), s.data_ptr(), b.data_ptr(), *args)
-    else:
-        lib.ds_gemv_q1(w.data_ptr(), s.data_ptr(), *args)
+    biases = [b.data_ptr()] if scheme.has_biases() else []
+    _kernel(lib, scheme, w.shape[0], k, multi=False)(
+        w.data_ptr(), s.data_ptr(), *biases, x.data_ptr(), out.data_ptr(), w.shape[0], k,
+        scheme.group_size, torch.get_num_threads(), scale_kind)
     return out
 
 
 def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
     """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 and 4-bit
-    affine (the VNNI or the exact fp32 one, as its GEMV); else None (q1)."""
-    if lib is None or env().reference_ops:
+    affine (the VNNI or the exact fp32 one, as its GEMV); else None (q1, other layouts)."""
+    if lib is None or env().reference_ops or (scheme.kind, scheme.bits) not in _STEMS:
         return None
-    if (scheme.kind, scheme.bits) == ("affine", 4):
-        multi = getattr(lib, "ds_gemm_a4_vnni" if a4_is_vnni(lib, n, k, scheme.group_size)
-                        else "ds_gemm_a4", None)
-        if multi is not None and multi.argtypes is None:  # registered beside its one caller
-            multi.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
-            multi.restype = None
-        return multi
-    if scheme.kind != "int8":
-        return None
-    multi = getattr(lib, "ds_gemm_q8_vnni" if q8_is_vnni(lib, n, k, scheme.group_size)
-                    else "ds_gemm_q8", None)
-    if multi is None:
-        return None
-    if multi.argtypes is None:  # registered beside its one caller
-        multi.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
-        multi.restype = None
-    return multi
+    return _kernel(lib, scheme, n, k, multi=True)
 
 
 def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:

@@ -13,8 +13,7 @@ from deltaserve.ops.qgemv import (
     dequantize_into,
     q8_is_vnni,
     qgemv,
-    qgemv_a4_act_ref,
-    qgemv_q8_act_ref,
+    qgemv_act_ref,
     qgemv_ref,
     quantize_act,
 )
@@ -84,7 +83,7 @@ def test_vnni_kernel_matches_the_int8_activation_reference(rows, cols, group) ->
     scheme = Scheme("int8", 8, group)
     torch.manual_seed(rows * cols)
     p, x = packed_random(rows, cols, scheme), torch.randn(1, cols)
-    out, ref = vnni(x, p, group), qgemv_q8_act_ref(x, p, scheme)
+    out, ref = vnni(x, p, group), qgemv_act_ref(x, p, scheme)
     # the same integers; only fp32 rounding order differs. Lanes hold (w + 128) * xq, so the
     # terms' size is that, not |w| * |xq|
     xq, dx = quantize_act(x.reshape(-1), group)
@@ -112,7 +111,7 @@ def test_vnni_kernel_survives_zero_groups_and_huge_dynamic_range() -> None:
     zero_group[0, 64:128] = 0.0
     ranged = torch.randn(1, 1024) * torch.tensor([1e30, 1e-30, 1.0, 1e-20]).repeat_interleave(256)
     for x in (zero_group, ranged, torch.zeros(1, 1024)):
-        out, ref = vnni(x, p), qgemv_q8_act_ref(x, p, INT8)
+        out, ref = vnni(x, p), qgemv_act_ref(x, p, INT8)
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
         assert ((out - ref).norm() <= 1e-5 * ref.norm()).item()
     assert not vnni(ranged, p).eq(0).all()
@@ -215,8 +214,7 @@ def test_multi_row_gemm_is_a_gemv_per_row_bit_for_bit(name, num_rows, rows, cols
         spec = x @ dequantize(packed, scheme, torch.float32).T
         assert torch.allclose(got, spec, rtol=1e-4, atol=1e-4 * spec.abs().max().item())
     else:  # x rounded per group: the int8-activation reference, row by row
-        ref = qgemv_a4_act_ref if scheme.kind == "affine" else qgemv_q8_act_ref
-        spec = torch.cat([ref(x[r : r + 1], packed, scheme) for r in range(num_rows)])
+        spec = torch.cat([qgemv_act_ref(x[r : r + 1], packed, scheme) for r in range(num_rows)])
         assert ((got - spec).norm() / spec.norm()).item() <= 1e-5
 
 

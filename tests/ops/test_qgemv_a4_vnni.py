@@ -1,5 +1,5 @@
 """The 4-bit affine decode GEMV on int8 activations (ds_gemv_a4_vnni, ops/csrc/gemv_vnni.c)
-against its exact reference (qgemv_a4_act_ref) and against the spec, on fresh random inputs."""
+against its exact reference (qgemv_act_ref) and against the spec, on fresh random inputs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from deltaserve.ops.qgemv import (
     a4_is_vnni,
     qgemm_rows,
     qgemv,
-    qgemv_a4_act_ref,
+    qgemv_act_ref,
     qgemv_ref,
     quantize_act,
 )
@@ -53,7 +53,7 @@ def test_matches_the_int8_activation_reference(rows, cols, group) -> None:
     scheme = Scheme("affine", 4, group)
     torch.manual_seed(rows * cols + group)
     p, x = packed_random(rows, cols, scheme), torch.randn(1, cols)
-    out, ref = vnni(x, p, group), qgemv_a4_act_ref(x, p, scheme)
+    out, ref = vnni(x, p, group), qgemv_act_ref(x, p, scheme)
     # the same integers; only fp32 rounding order differs: bounded by the terms' size
     xq, dx = quantize_act(x.reshape(-1), group)
     q = unpack_codes(p["weight"], 4).float().reshape(rows, -1, group)
@@ -80,7 +80,7 @@ def test_survives_zero_groups_huge_dynamic_range_and_nan() -> None:
     zero_group[0, 64:128] = 0.0
     ranged = torch.randn(1, 1024) * torch.tensor([1e30, 1e-30, 1.0, 1e-20]).repeat_interleave(256)
     for x in (zero_group, ranged, torch.zeros(1, 1024)):
-        out, ref = vnni(x, p), qgemv_a4_act_ref(x, p, INT4)
+        out, ref = vnni(x, p), qgemv_act_ref(x, p, INT4)
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
         assert ((out - ref).norm() <= 1e-5 * ref.norm()).item()
     assert not vnni(ranged, p).eq(0).all()

@@ -1,7 +1,7 @@
 // Decode GEMVs on int8 activations (AVX512-VNNI), split from gemv_quant.c (the fp32-activation
 // kernels): int8 codes (llama.cpp's Q8_0 x Q8_0 semantics) and 4-bit affine codes (Q4_1 x Q8_1's).
-// Both compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds the references
-// (qgemv_q8_act_ref, qgemv_a4_act_ref) and picks between these and the fp32 kernels per shape.
+// Both compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds the reference
+// (qgemv_act_ref) and picks between these and the fp32 kernels per shape.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,7 +27,7 @@ void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, 
 // int8 x int8 (llama.cpp Q8_0 x Q8_0): x is quantized per group of G (symmetric, d = absmax/127,
 // round to nearest even), then each 64-byte chunk is one VPDPBUSD. DPBUSD wants u8 x s8: the
 // weights go in as w ^ 0x80 = w + 128, and -128 * sum(xq over the group) in lane 0 of the group's
-// int32 accumulator takes the 128 back out. ops/qgemv.py (qgemv_q8_act_ref) holds the reference.
+// int32 accumulator takes the 128 back out. ops/qgemv.py (qgemv_act_ref) holds the reference.
 #define VNNI_ROWS 4
 #define VNNI_MAX_G 512  // 128 * G * 127 (the correction) stays exact in int32 and in fp32 lanes
 
