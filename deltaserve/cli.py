@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--idle-unload-min", type=float, default=5.0,
                     help="free the model after this many idle minutes, reload it on the next "
                          "request (default 5; 0 = never)")
+    sv.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="refuse longer prompts before tokenizing them (default: what the "
+                         "context can hold: max-model-len x the longest token's characters)")
+    sv.add_argument("--special-tokens-in-content", action="store_true",
+                    help="special-token strings in chat messages (<|im_start|>...) become "
+                         "control tokens (default: encoded as plain text)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before "
+                         "they are ended with an error (a second signal exits at once)")
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])

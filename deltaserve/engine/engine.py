@@ -197,9 +197,10 @@ class Engine:
         return StepOutput(rid, "", (), True, "error", "non-finite logits")
 
     def _sample(self, logits: StepLogits) -> tuple[dict[str, int], frozenset[str]]:
-        """(tokens of the requests that sample, requests whose logits went non-finite). Greedy
-        rows: one argmax, copied to the host together with the finiteness flags; sampling rows:
-        the filters on all rows together, one draw each from its own generator."""
+        """(tokens of the requests that sample, requests whose logits went non-finite or whose
+        distribution was not valid). Greedy rows: one argmax, copied to the host together with
+        the finiteness flags; sampling rows: the filters on all rows together, one draw each from
+        its own generator."""
         if logits.are_tokens:  # the greedy head already chose
             tokens = logits.tensor.tolist()
             return {rid: tokens[row] for rid, row in logits.rows.items()}, frozenset()
@@ -218,7 +219,8 @@ class Engine:
             rows_t = torch.stack([logits[rid] for rid in rest])
             drawn = sample_rows(rows_t, [self._live[r].params for r in rest],
                                 [self._live[r].gen for r in rest])
-            out.update(zip(rest, drawn, strict=True))
+            out.update((rid, t) for rid, t in zip(rest, drawn, strict=True) if t is not None)
+            failed = failed | {rid for rid, t in zip(rest, drawn, strict=True) if t is None}
         return {rid: out[rid] for rid in logits if rid in out}, failed
 
     def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:

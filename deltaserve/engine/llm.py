@@ -125,6 +125,11 @@ class LLM:
             self._engine = build_engine(self, **self.engine_args)
         return self._engine
 
+    def drop_engine(self) -> None:
+        """Forget the engine (its pools, graphs and prefix cache); the next use builds a fresh one
+        (the server does this after an engine failure)."""
+        self._engine = None
+
     def _generation_config(self) -> dict[str, Any]:
         path = self.model_dir / "generation_config.json"
         return read_json(path, "generation_config.json") if path.is_file() else {}

@@ -1,7 +1,15 @@
-"""SamplingParams (vLLM-shaped) and the sampler: greedy, temperature, top-k, top-p, min-p, seed."""
+"""SamplingParams (vLLM-shaped) and the sampler: greedy, temperature, top-k, top-p, min-p, seed.
+
+Every accepted parameter gives a valid distribution: logits are shifted by their row maximum
+before the temperature divides them (a temperature of 1e-38 turns the row into a point mass on its
+maximum instead of overflowing to inf / NaN), and a temperature below fp32's smallest normal number
+(1e-300 as a Python float is 0 in fp32) is raised to it. A row whose distribution still comes out
+invalid is reported, not drawn from: its request fails alone (engine.Engine._sample).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +17,7 @@ import torch
 from deltaserve.errors import RequestError
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest divisor the sampler uses
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +45,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         checks = [
+            (all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p)),
+             "temperature, top_p and min_p must be finite numbers"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
@@ -70,23 +81,13 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits [vocab] fp32 -> one token id."""
+    """logits [vocab] fp32 -> one token id (sample_rows on one row: the same numbers)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        drop = cumulative - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
+    token = sample_rows(logits[None], [params], [gen])[0]
+    if token is None:
+        raise RequestError("the sampling distribution is not valid (non-finite logits)")
+    return token
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -94,7 +95,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     distribution sample() draws from, unnormalized (filtered entries 0). Row-wise ops only."""
     device = logits.device
     col = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)[:, None]  # noqa: E731
-    x = logits.float() / col([p.temperature for p in params])
+    x = logits.float()
+    # shifted first: every entry <= 0 and the maximum exactly 0, so a tiny temperature sends the
+    # others to -inf (never inf - inf) and the softmax always has a 1 to normalise by
+    x = (x - x.max(-1, keepdim=True).values) / col(
+        [p.temperature for p in params]).clamp_min(MIN_TEMPERATURE)
     ks = [p.top_k if 0 < p.top_k < x.shape[-1] else 0 for p in params]
     if any(ks):
         kth = torch.topk(x, max(ks), dim=-1).values[torch.arange(len(ks), device=device),
@@ -117,13 +122,18 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                gens: list[torch.Generator | None]) -> list[int]:
+                gens: list[torch.Generator | None]) -> list[int | None]:
     """sample() for every row of logits [R, vocab] at once: the filters run on all rows together
     (row-wise ops, so each row gets exactly sample()'s numbers), each row draws from its own
-    generator, and the tokens come back in one device-to-host copy instead of one per row."""
+    generator, and the tokens come back in one device-to-host copy instead of one per row. A row
+    whose distribution is not valid (non-finite, or nothing left) gets None and draws nothing."""
     if any(p.greedy for p in params):
         raise ValueError("sample_rows takes sampling rows only; greedy rows are one argmax")
     probs = filtered_probs(logits, params)
-    draws = [torch.multinomial(probs[i] / probs[i].sum(), 1, generator=gens[i])
-             for i in range(len(params))]
-    return torch.cat(draws).tolist()
+    total = probs.sum(-1)
+    valid = (torch.isfinite(total) & (total > 0)).tolist()
+    draws = [torch.multinomial(probs[i] / total[i], 1, generator=gens[i]) if ok else None
+             for i, ok in enumerate(valid)]
+    kept = [d for d in draws if d is not None]
+    tokens = iter(torch.cat(kept).tolist() if kept else ())
+    return [None if d is None else next(tokens) for d in draws]

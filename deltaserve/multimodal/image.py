@@ -2,7 +2,9 @@
 
 Order of checks, cheapest first: encoded size, format (only PNG, JPEG, WEBP, GIF, BMP are parsed:
 Pillow's other plugins never see user bytes), declared pixel count (read from the header by
-`Image.open`, before any pixel is decoded), then the decode itself.
+`Image.open`, before any pixel is decoded), then the decode itself. `open_image` stops before the
+decode, with the size the image will have once oriented, so that a caller can check every image
+of a request (e.g. its visual tokens) before decoding any.
 
 Decisions (formats.md 3.4 takes an RGB PIL image; these are the steps before it):
 - Animated GIF / WEBP / APNG: the first frame, as transformers' processors do with a PIL image
@@ -23,9 +25,11 @@ import base64
 import binascii
 import io
 import re
+import struct
+from typing import NamedTuple
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from deltaserve.errors import RequestError
 
@@ -51,6 +55,15 @@ _REFUSED_SIGNATURES = (
 )
 _HEIF_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
 _ALLOWED_TEXT = ", ".join(ALLOWED_FORMATS)
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # exif_transpose swaps width and height for these
+
+
+class OpenedImage(NamedTuple):
+    """An image with only its header read and checked: no pixel decoded yet."""
+
+    image: Image.Image
+    # (height, width) once decoded: one size, or both orientations where only decoding can tell
+    sizes_px: tuple[tuple[int, int], ...]
 
 
 def decode_image(
@@ -58,7 +71,17 @@ def decode_image(
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Image.Image:
-    """Encoded image bytes -> a loaded RGB image (first frame, EXIF orientation applied).
+    """Encoded image bytes -> a loaded RGB image (first frame, EXIF orientation applied)."""
+    return decode_opened(open_image(data, max_bytes, max_pixels).image)
+
+
+def open_image(
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> OpenedImage:
+    """Encoded image bytes -> the image with its header read: size, format and pixel count
+    checked, the size after EXIF orientation known, no pixel decoded (`decode_opened` does that).
 
     NOTE: Pillow's own guard (`Image.MAX_IMAGE_PIXELS`) still refuses more than twice its limit
     (~179 MP) inside `Image.open`, so `max_pixels` above that has no effect.
@@ -70,9 +93,43 @@ def decode_image(
         raise RequestError("image data is empty (0 bytes)")
     if num_bytes > max_bytes:
         raise RequestError(f"image data is {num_bytes} bytes; the limit is {max_bytes} bytes")
-    img = _open(bytes(data), max_pixels)
+    data = bytes(data)
+    img = _open(data, max_pixels)
+    return OpenedImage(img, _oriented_sizes(img, data))
+
+
+def decode_opened(img: Image.Image) -> Image.Image:
+    """An opened image -> a loaded RGB image (first frame, EXIF orientation applied)."""
     _load(img)
     return to_rgb(_apply_exif_orientation(img))
+
+
+def _oriented_sizes(img: Image.Image, data: bytes) -> tuple[tuple[int, int], ...]:
+    """(height, width) after `_apply_exif_orientation`, from the metadata before the pixels."""
+    width_px, height_px = img.size
+    both = ((height_px, width_px), (width_px, height_px))
+    if img.format == "PNG" and _png_metadata_after_pixels(data):
+        return both  # Pillow reads those chunks (EXIF, XMP) only while decoding
+    try:
+        # Image's getexif reads img.info alone; PngImageFile's would decode the pixels first
+        orientation = Image.Image.getexif(img).get(ExifTags.Base.Orientation, 1)
+    except Exception:  # a malformed EXIF block: decoding keeps the pixels as stored (or not)
+        return both
+    return both[1:] if orientation in _TRANSPOSING_ORIENTATIONS else both[:1]
+
+
+def _png_metadata_after_pixels(data: bytes) -> bool:
+    """Whether a chunk that may hold EXIF or XMP follows the first IDAT (chunk headers only)."""
+    pos, seen_pixels = 8, False
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind == b"IEND":
+            return False
+        seen_pixels = seen_pixels or kind == b"IDAT"
+        if seen_pixels and kind in (b"eXIf", b"tEXt", b"zTXt", b"iTXt"):
+            return True
+        pos += 12 + length  # length, type, body, CRC
+    return False
 
 
 def decode_data_url(

@@ -28,13 +28,16 @@ from deltaserve.errors import ConfigError, RequestError
 from deltaserve.multimodal.image import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
-    decode_data_url,
-    decode_image,
+    OpenedImage,
+    decode_opened,
+    open_image,
+    parse_data_url,
 )
 from deltaserve.multimodal.processor import (
     IMAGE_PAD,
     ProcessedImage,
     expand_image_placeholders,
+    num_visual_tokens,
     pack_images,
     process_image,
 )
@@ -53,17 +56,20 @@ class ImageLimits:
     max_visual_tokens: int = 4096
 
 
-def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:
-    """Decode one image source with the limits (every failure a RequestError)."""
+def open_image_source(source: ImageSource, limits: ImageLimits) -> OpenedImage:
+    """One image source with only its header read and checked (a PIL image as given), every
+    failure a RequestError: no pixel is decoded, so a request's every image can be refused by
+    size before any is."""
     if isinstance(source, Image.Image):
         if source.width * source.height > limits.max_image_pixels:
             raise RequestError(f"image has {source.width * source.height} pixels, over the "
                                f"limit of {limits.max_image_pixels}")
-        return source
+        return OpenedImage(source, ((source.height, source.width),))
     if isinstance(source, bytes):
-        return decode_image(source, limits.max_image_bytes, limits.max_image_pixels)
+        return open_image(source, limits.max_image_bytes, limits.max_image_pixels)
     if isinstance(source, str) and source.startswith("data:"):
-        return decode_data_url(source, limits.max_image_bytes, limits.max_image_pixels)
+        data = parse_data_url(source, limits.max_image_bytes)
+        return open_image(data, limits.max_image_bytes, limits.max_image_pixels)
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         raise RequestError("image URLs are not fetched (give the bytes as a data: URL)")
     if not isinstance(source, str | Path):
@@ -80,7 +86,13 @@ def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:
         data = path.read_bytes()
     except OSError as exc:  # a name too long, a permission, a directory...
         raise RequestError(f"cannot read image file {str(path)[:200]}: {exc.strerror}") from exc
-    return decode_image(data, limits.max_image_bytes, limits.max_image_pixels)
+    return open_image(data, limits.max_image_bytes, limits.max_image_pixels)
+
+
+def header_visual_tokens(opened: OpenedImage, mode: str) -> int:
+    """An opened image's visual tokens, from its size alone: exact, or the smaller of its two
+    orientations' counts where only decoding tells the orientation (rare: see OpenedImage)."""
+    return min(num_visual_tokens(size_px, mode) for size_px in opened.sizes_px)
 
 
 def image_key(image: ProcessedImage) -> int:
@@ -114,24 +126,38 @@ class ImagePrompts:
 
     def process(self, images: Sequence[ImageSource], mode: str | None = None
                 ) -> list[ProcessedImage]:
-        """Decode and slice every image, within the limits (no tower work yet)."""
+        """Decode and slice every image, within the limits (no tower work yet); the pixel and
+        visual-token limits are checked on every image's header before any image is decoded."""
         if len(images) > self.limits.max_images:
             raise RequestError(f"{len(images)} images in one request; the limit is "
                                f"{self.limits.max_images}")
         mode = mode or self.default_mode
-        processed = [process_image(load_image(src, self.limits), mode) for src in images]
-        num_tokens = sum(p.total_tokens for p in processed)
+        # every header first: a request over a limit is refused before any image is decoded
+        opened = [(src, open_image_source(src, self.limits)) for src in images]
+        self._check_visual_tokens(sum(header_visual_tokens(o, mode) for _, o in opened))
+        processed = []
+        while opened:  # popped as they go: one decoded image alive at a time, as before
+            src, item = opened.pop(0)
+            image = src if isinstance(src, Image.Image) else decode_opened(item.image)
+            processed.append(process_image(image, mode))
+            del image, item
+        # the same count, except where only decoding told an image's orientation
+        self._check_visual_tokens(sum(p.total_tokens for p in processed))
+        return processed
+
+    def _check_visual_tokens(self, num_tokens: int) -> None:
         if num_tokens > self.limits.max_visual_tokens:
             raise RequestError(f"the images need {num_tokens} visual tokens; the limit per "
                                f"request is {self.limits.max_visual_tokens}")
-        return processed
 
-    def expand(self, text: str, processed: Sequence[ProcessedImage]) -> list[int]:
-        """text holding one IMAGE_PAD per image -> prompt ids, one placeholder per visual token."""
+    def expand(self, text: str, processed: Sequence[ProcessedImage],
+               encode: Callable[[str], list[int]] | None = None) -> list[int]:
+        """text holding one IMAGE_PAD per image -> prompt ids, one placeholder per visual token
+        (encode: the tokenizer's, or a chat prompt's that keeps its messages' markers apart)."""
         if not isinstance(text, str):
             raise RequestError(f"a prompt with images must be text holding one {IMAGE_PAD} per "
                                "image")
-        ids = self.tokenizer.encode(expand_image_placeholders(text, processed))
+        ids = (encode or self.tokenizer.encode)(expand_image_placeholders(text, processed))
         num_placeholders = sum(t == self.image_token_id for t in ids)
         num_needed = sum(p.total_tokens for p in processed)
         if num_placeholders != num_needed:

@@ -193,6 +193,32 @@ def plan_pieces(
     return slice_grid, overview_px, refine_px
 
 
+def piece_grids(
+    size_px: tuple[int, int],
+    mode: str = "16x",
+    max_slice_nums: int = DEFAULT_MAX_SLICE_NUMS,
+    scale_resolution: int = DEFAULT_SCALE_RESOLUTION_PX,
+    slice_mode: bool = True,
+) -> tuple[tuple[int, int], ...]:
+    """(h, w) in patches of each piece process_image makes of an image of size_px (h, w), from
+    its size alone: what the limits are checked against before any pixel is decoded."""
+    _check_options(mode, max_slice_nums, scale_resolution)
+    slice_grid, overview_px, refine_px = plan_pieces(
+        size_px, mode, max_slice_nums, scale_resolution, slice_mode
+    )
+    grids = [(overview_px[0] // PATCH_PX, overview_px[1] // PATCH_PX)]
+    if slice_grid is not None and refine_px is not None:
+        num_rows, num_cols = slice_grid
+        cell = (refine_px[0] // num_rows // PATCH_PX, refine_px[1] // num_cols // PATCH_PX)
+        grids += [cell] * (num_rows * num_cols)
+    return tuple(grids)
+
+
+def num_visual_tokens(size_px: tuple[int, int], mode: str = "16x", **options) -> int:
+    """Language-model tokens of an image of size_px (h, w); options as process_image's."""
+    return sum(num_piece_tokens(h, w, mode) for h, w in piece_grids(size_px, mode, **options))
+
+
 def process_image(
     img: Image.Image,
     mode: str = "16x",

@@ -1,8 +1,9 @@
 """The OpenAI-compatible app: /v1/chat/completions and /v1/completions (streamed as SSE or not),
 /v1/models, /health, /metrics, /tokenize, /detokenize, on one LLM's batched engine.
 
-Handlers validate and tokenize on the event loop, hand the request to the engine thread
-(server/bridge.py), and read its events; a client that goes away aborts its request.
+Handlers parse, render and tokenize on worker threads within bounds (server/prepare.py), hand the
+request to the engine thread (server/bridge.py), and read its events; a client that goes away
+aborts its request.
 """
 
 from __future__ import annotations
@@ -10,19 +11,26 @@ from __future__ import annotations
 import contextlib
 import hmac
 import itertools
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from deltaserve.chat import render_chat_text
 from deltaserve.engine.sampling import SamplingParams
-from deltaserve.errors import DeltaserveError
+from deltaserve.errors import ConfigError, DeltaserveError
 from deltaserve.multimodal.inputs import message_images
 from deltaserve.server import logprobs as lp
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
 from deltaserve.server.images import check_image_parts, image_prompt
-from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.server.metrics import metrics_text
+from deltaserve.server.prepare import Preparer
+from deltaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from deltaserve.server.reasoning import opens_think_block
 from deltaserve.server.stream import Choices, StreamSpec, collect, response, sse
 
@@ -32,21 +40,29 @@ _ids = itertools.count()
 
 def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
               max_body_bytes: int = 4 << 20, *, load=None, idle_unload_s: float | None = None,
-              on_first_load_failed=None, mirror=None) -> FastAPI:
+              on_first_load_failed=None, mirror=None, max_prompt_chars: int | None = None,
+              special_tokens_in_content: bool = False) -> FastAPI:
     """The app on a loaded `llm`, or on `load()` run in the background once the server is up
     (then idle unload and reload are possible: `idle_unload_s`, None = never). mirror: the
-    other ranks' command channel under `serve --tp` (distributed/serve.py)."""
+    other ranks' command channel under `serve --tp` (distributed/serve.py). max_prompt_chars:
+    None = what the context can hold (server/prepare.py). special_tokens_in_content: special-token
+    strings in messages become control tokens (default: plain text, chat.py)."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty: give a key, or none to serve without one")
     host = ModelHost(load, llm, idle_unload_s, on_first_load_failed, mirror)
+    prep = Preparer(max_prompt_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await host.start()
         yield
-        await host.stop()  # graceful: in-flight requests finish first
+        await host.stop(app.state.drain_s)  # graceful: in-flight requests finish first
+        prep.shutdown()
 
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     install(app)
-    app.state.host, app.state.name = host, served_name
+    app.state.host, app.state.name, app.state.drain_s = host, served_name, 30.0
+    app.openapi = lambda: _openapi(app)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
@@ -74,70 +90,59 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics_text(host, served_name))
+        return PlainTextResponse(metrics_text(host, served_name))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(request: Request):
-        body = await _json(request)
-        text = body.get("prompt")
-        if not isinstance(text, str):
-            raise ApiError(400, "prompt: a string is required", param="prompt")
+        body, size = await prep.body(request, TokenizeRequest)
         async with host.use() as (llm, _):
-            tokens = llm.tokenizer.encode(text)
+            tokens = await prep.run(size, _encode, prep, llm, body.prompt)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        body = await _json(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ApiError(400, "tokens: a list of integers is required", param="tokens")
+        body, size = await prep.body(request, DetokenizeRequest)
         async with host.use() as (llm, _):
-            if any(not 0 <= t < llm.config.vocab_size for t in tokens):
+            if any(not 0 <= t < llm.config.vocab_size for t in body.tokens):
                 raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
-            return {"prompt": llm.tokenizer.decode(tokens)}
+            return {"prompt": await prep.run(size, llm.tokenizer.decode, body.tokens)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    async def chat(request: Request):
+        body, size = await prep.body(request, ChatCompletionRequest)
         _check_model(body.model, served_name)
         async with host.use() as (llm, driver):
-            try:
-                messages = [{**m.model_dump(exclude_none=True), "content": m.template_content()}
-                            for m in body.messages]
-                sources = message_images(messages)
-                if sources:
-                    check_image_parts(llm, sources)  # before rendering: nothing spent yet
-                kwargs = dict(body.chat_template_kwargs or {})
-                text = llm.tokenizer.apply_chat_template(
-                    messages, enable_thinking=bool(kwargs.pop("enable_thinking", True)), **kwargs)
-            except (ValueError, DeltaserveError, TypeError) as exc:
-                raise ApiError(400, f"messages: {exc}", param="messages") from exc
+            text, ids, sources = await prep.run(size, _chat_prompt, prep, llm, body,
+                                                special_tokens_in_content)
             images = None
             if sources:
                 mode = (body.mm_processor_kwargs or {}).get("downsample_mode")
-                ids, images = await image_prompt(llm, driver, text, sources, mode)
-            else:
-                ids = llm.tokenizer.encode(text)
+                ids, images = await image_prompt(llm, driver, text.text, sources, mode,
+                                                 text.markers)
             return await _complete(request, body, ids, "chat.completion", llm, driver,
-                                   opens_think_block(text), images)
+                                   opens_think_block(text.plain), images)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    async def completions(request: Request):
+        body, size = await prep.body(request, CompletionRequest)
         _check_model(body.model, served_name)
         async with host.use() as (llm, driver):
-            ids = (llm.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
-                   else list(body.prompt))
-            if any(not 0 <= t < llm.config.vocab_size for t in ids):
-                raise ApiError(400, "prompt: a token id is outside the vocabulary",
-                               param="prompt")
+            ids = await prep.run(size, _completion_ids, prep, llm, body.prompt)
             return await _complete(request, body, ids, "text_completion", llm, driver)
 
     async def _complete(request: Request, body, ids: list[int], kind: str, llm, driver,
                         thinking: bool = False, images=None):
-        num_lp, echo = body.num_logprobs(), getattr(body, "echo", False)
-        if body.stream and body.token_limit() == 0:
+        num_lp, echo, limit = body.num_logprobs(), getattr(body, "echo", False), \
+            body.token_limit()
+        if body.stream and limit == 0:
             raise ApiError(400, "max_tokens: 0 (scoring the prompt) needs stream off",
                            param="max_tokens")
+        if limit == 0 and not echo:
+            raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
+                           param="max_tokens")
+        if limit == 0 and len(ids) > llm.max_model_len:  # checked before any scoring
+            raise context_overflow(len(ids), llm.max_model_len, 0)
+        params = _params(body, llm, len(ids), num_lp) if limit != 0 else None
         prompt = body.prompt if kind == "text_completion" else None
         # the echoed prompt's text and teacher-forced logprobs (generated tokens get theirs from
         # the engine as it samples)
@@ -145,26 +150,23 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         head_lp = None
         if echo and num_lp is not None:
             head_lp = await driver.call_every_rank(lp.completion_logprobs, llm, ids, 0, num_lp)
-        if body.token_limit() == 0:  # echo only: score the prompt, generate nothing
-            if not echo:
-                raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
-                               param="max_tokens")
-            if len(ids) > llm.max_model_len:
-                raise context_overflow(len(ids), llm.max_model_len, 0)
+        if limit == 0:  # echo only: score the prompt, generate nothing
             outs = [("", "length", [], [])] * body.n
             return JSONResponse(_whole(rid_for(kind), kind, ids, outs, head, head_lp, num_lp,
                                        thinking, llm))
-        choices = Choices(rid_for(kind), body.n, driver)
-        await choices.submit(ids, _params(body, llm, len(ids), num_lp), images)
+        choices = Choices(rid_for(kind), body.n, driver, request)
+        await choices.submit(ids, params, images)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
-            first = await choices.next(request)
+            first = await choices.next()
             choices.fail_on(first[1])
             spec = StreamSpec(kind, served_name, len(ids), bool(
                 body.stream_options and body.stream_options.include_usage), thinking,
                 llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None)
-            return StreamingResponse(sse(request, choices, spec, first),
-                                     media_type="text/event-stream")
-        outs = await collect(choices, request)
+            return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
+        try:
+            outs = await collect(choices)
+        finally:
+            choices.close()
         return JSONResponse(_whole(choices.rid, kind, ids, outs, head, head_lp, num_lp,
                                    thinking, llm))
 
@@ -184,6 +186,60 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     return app
 
 
+def _encode(prep: Preparer, llm, text: str) -> list[int]:
+    """On a worker: the bound, then the tokenizer (which releases the GIL)."""
+    prep.check_chars(llm, text, "prompt")
+    return llm.tokenizer.encode(text)
+
+
+def _completion_ids(prep: Preparer, llm, prompt: str | list[int]) -> list[int]:
+    ids = _encode(prep, llm, prompt) if isinstance(prompt, str) else list(prompt)
+    if any(not 0 <= t < llm.config.vocab_size for t in ids):
+        raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
+    return ids
+
+
+def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
+    """On a worker: (ChatText, prompt ids or None when images follow, image sources)."""
+    try:
+        messages = [{**m.model_dump(exclude_none=True), "content": m.template_content()}
+                    for m in body.messages]
+        sources = message_images(messages)
+        if sources:
+            check_image_parts(llm, sources)  # before rendering: nothing spent yet
+        kwargs = dict(body.chat_template_kwargs or {})
+        text = render_chat_text(llm.tokenizer, messages, special_in_content,
+                                enable_thinking=bool(kwargs.pop("enable_thinking", True)),
+                                **kwargs)
+    except (ValueError, DeltaserveError, TypeError) as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from exc
+    prep.check_chars(llm, text.text, "messages")
+    ids = None if sources else llm.tokenizer.encode_chat(text.text, text.markers)
+    return text, ids, sources
+
+
+def _body(model) -> dict:
+    """openapi_extra for a route that parses its own body (server/prepare.py) as `model`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models the routes parse themselves."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        defs = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                      DetokenizeRequest):
+            one = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            defs.update(one.pop("$defs", {}))
+            defs[model.__name__] = one
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _echo_text(prompt, ids: list[int], llm) -> str:
     return prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
 
@@ -194,16 +250,6 @@ def _key_ok(request: Request, api_key: str) -> bool:
     if auth.lower().startswith("bearer "):
         given = auth[7:].strip()
     return hmac.compare_digest(given.encode(), api_key.encode())
-
-
-async def _json(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "the request body is not valid JSON", "invalid_json") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
 
 
 def _check_model(name: str, served_name: str) -> None:
@@ -234,48 +280,3 @@ def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[Sam
 
 def rid_for(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
-
-
-def _metrics_text(host: ModelHost, name: str) -> str:
-    """Prometheus text under vLLM's metric names (ours where vLLM has none or means otherwise)."""
-    c, llm, driver = host.counters, host.llm, host.driver
-    label = f'{{model_name="{name}"}}'
-    running = waiting = num_open = 0
-    kv_used = 0.0
-    engine = host.engine_totals()
-    if llm is not None:
-        sched, usage = llm.engine.scheduler, llm.engine.cache.usage()
-        running, waiting, num_open = sched.num_running, sched.num_waiting, driver.num_open
-        kv_used = 1.0 - usage["blocks_free"] / max(1, usage["blocks_total"])
-    lines = [
-        f"vllm:num_requests_running{label} {running}",
-        f"vllm:num_requests_waiting{label} {waiting}",
-        f"vllm:kv_cache_usage_perc{label} {kv_used:.6f}",
-        f"vllm:prompt_tokens_total{label} {c.prompt_tokens}",
-        f"vllm:generation_tokens_total{label} {c.generation_tokens}",
-        f"vllm:num_preemptions_total{label} {engine['preemptions']}",
-        # lookups, not tokens (vLLM's prefix_cache_* count tokens): a hit restores a snapshot
-        f"deltaserve:prefix_cache_hits_total{label} {engine['prefix_hits']}",
-        f"deltaserve:prefix_cache_misses_total{label} {engine['prefix_misses']}",
-        f"deltaserve:model_loaded{label} {int(host.state == 'ready')}",
-        f"deltaserve:model_loads_total{label} {host.num_loads}",
-        f"deltaserve:requests_open{label} {num_open}",
-        f"deltaserve:requests_aborted_total{label} {c.aborted}",
-        f"deltaserve:engine_steps_total{label} {c.num_steps}",
-        # speculative decoding (spec/): verify steps, drafted and accepted tokens (vLLM's names)
-        f"vllm:spec_decode_num_drafts_total{label} {engine['spec_drafts']}",
-        f"vllm:spec_decode_num_draft_tokens_total{label} {engine['spec_draft_tokens']}",
-        f"vllm:spec_decode_num_accepted_tokens_total{label} {engine['spec_accepted_tokens']}",
-        f"deltaserve:spec_decode_acceptance_rate{label} "
-        f"{engine['spec_accepted_tokens'] / max(1, engine['spec_draft_tokens']):.6f}",
-    ]
-    labels = f'model_name="{name}"'
-    for metric, hist in (("vllm:time_to_first_token_seconds", c.ttft),
-                         ("vllm:inter_token_latency_seconds", c.itl),
-                         ("vllm:request_decode_time_seconds", c.decode),
-                         ("vllm:e2e_request_latency_seconds", c.e2e)):
-        lines.extend(hist.lines(metric, labels))
-    for reason, count in sorted(c.finished.items()):
-        lines.append(f'vllm:request_success_total{{model_name="{name}",finished_reason='
-                     f'"{reason}"}} {count}')
-    return "\n".join(lines) + "\n"

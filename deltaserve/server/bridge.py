@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ADMITTED = "admitted"
+log = logging.getLogger("deltaserve.server")
 
 
 class EngineDead(Exception):
-    """The step loop raised: every open request ends with a 5xx and /health answers 503."""
+    """A request ended by the server, not by the model: the step loop raised (its cause goes to
+    the log, not to clients), or the shutdown's drain window passed. A 503, or an error event."""
 
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -99,12 +103,15 @@ class ModelThread(concurrent.futures.Executor):
 
 class EngineDriver:
     def __init__(self, engine, idle_wait_s: float = 0.05, counters: Counters | None = None,
-                 mirror=None, thread: ModelThread | None = None) -> None:
+                 mirror=None, thread: ModelThread | None = None,
+                 on_dead: Callable[[EngineDriver], None] | None = None) -> None:
         """mirror: distributed.serve.Mirror under `serve --tp`: every batch of commands this
         loop applies goes to the other ranks first (they step whenever this loop steps).
         thread: the ModelThread to run the loop on; give the one the model was loaded on
-        (server/host.py says why). None: a new one."""
+        (server/host.py says why). None: a new one. on_dead(driver): called (on the engine
+        thread) once the loop has failed and every open request has been ended."""
         self.engine, self.idle_wait_s, self.mirror = engine, idle_wait_s, mirror
+        self.on_dead = on_dead
         self.counters = counters or Counters()
         self.error: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,6 +146,9 @@ class EngineDriver:
         if not done.cancelled() and done.exception() is not None and self.error is None:
             exc = done.exception()
             self.error = f"{type(exc).__name__}: {exc}"
+            log.error("the engine loop failed: %s", self.error, exc_info=exc)
+        if self.error is not None and self.on_dead is not None:
+            self.on_dead(self)
 
     @property
     def alive(self) -> bool:
@@ -188,6 +198,12 @@ class EngineDriver:
         self._cmds.put(("abort", request_id))
         self._wake.set()
 
+    def cut(self, reason: str) -> None:
+        """Thread-safe: end every open request now (aborted in the engine; each gets
+        EngineDead(reason)), e.g. when the shutdown's drain window has passed."""
+        self._cmds.put(("cut", reason))
+        self._wake.set()
+
     # ---- the engine thread ----
 
     def _run(self) -> None:
@@ -210,6 +226,8 @@ class EngineDriver:
                 events = self.engine.step()
             except Exception as exc:  # the engine (or the rank group) is in an unknown state
                 self.error = f"{type(exc).__name__}: {exc}"
+                log.error("the engine failed; ending its %d open requests: %s",
+                          len(self._streams), self.error, exc_info=exc)
                 self._fail_all()
                 return
             self.counters.num_steps += 1
@@ -226,7 +244,7 @@ class EngineDriver:
 
     def _fail_all(self) -> None:
         """Every open request, and every command still queued, ends with EngineDead."""
-        dead = EngineDead(self.error)
+        dead = EngineDead("the engine failed while running this request")
         for rid in list(self._streams):
             self._send(rid, dead)
         self._streams.clear()
@@ -245,7 +263,10 @@ class EngineDriver:
                 return
 
     def _drain(self) -> None:
-        cmds = list(self._queued())
+        cmds = []
+        for cmd in self._queued():  # a cut is an abort of every open request, with its reason
+            cmds.extend([("abort", rid, cmd[1]) for rid in self._streams] if cmd[0] == "cut"
+                        else [cmd])
         if self.mirror is not None and (cmds or self.engine.has_work):
             # before applying: a call every rank makes runs collectives the others must join
             from deltaserve.distributed.serve import wire
@@ -274,10 +295,15 @@ class EngineDriver:
                     result, error = None, exc
                 loop.call_soon_threadsafe(_settle, future, result, error)
             elif cmd[0] == "abort" and cmd[1] in self._streams:
-                self.engine.abort(cmd[1])
-                self._streams.pop(cmd[1], None)
-                self._times.pop(cmd[1], None)
-                self.counters.aborted += 1
+                if len(cmd) > 2:  # cut: the request hears why
+                    self._send(cmd[1], EngineDead(cmd[2]))
+                self._abort(cmd[1])
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self._streams.pop(rid, None)
+        self._times.pop(rid, None)
+        self.counters.aborted += 1
 
     def _time(self, ev) -> None:
         times, now = self._times.get(ev.request_id), time.monotonic()

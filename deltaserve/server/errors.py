@@ -44,6 +44,13 @@ def context_overflow(num_prompt: int, max_len: int, requested: int) -> ApiError:
                     n_prompt_tokens=num_prompt, n_ctx=max_len)
 
 
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: the first one, named by where it is."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return f"{where or 'body'}: {first.get('msg', 'invalid request')}", where
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError):
@@ -51,12 +58,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        if first.get("type") == "json_invalid":
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", "invalid_json")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
-                              "invalid_request", where)
+        message, where = validation_message(errors)
+        return error_response(400, message, "invalid_request", where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

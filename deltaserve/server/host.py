@@ -4,6 +4,12 @@ until it is ready), unloaded after an idle spell (freeing its memory), reloaded 
 Requests reach the model through `async with host.use() as (llm, driver)`: that waits for a load in
 progress, starts one when the model is unloaded, and keeps the model from being unloaded while the
 handler runs. A streamed response outlives its handler; the driver's open streams keep it loaded.
+
+If the engine loop fails, its open requests end with an error, the cause goes to the log, and the
+engine is rebuilt on the loaded model (fresh pools; the prefix cache starts empty): /health says
+503 only while that runs, and requests arriving meanwhile wait for it. Under `serve --tp` the rank
+group ends instead (every rank would have to rebuild together). What clients see of a failure
+never names local paths: the log has the details.
 """
 
 from __future__ import annotations
@@ -14,10 +20,14 @@ import gc
 import time
 from collections.abc import Callable
 
-from deltaserve.server.bridge import Counters, EngineDriver, ModelThread
+from deltaserve.server.bridge import Counters, EngineDriver, ModelThread, log
 from deltaserve.server.errors import ApiError
 
 LOADING, READY, UNLOADED, FAILED = "loading", "ready", "unloaded", "failed"
+RESTARTING = "restarting"  # the engine failed and is being rebuilt on the loaded model
+_PUBLIC = {LOADING: "the model is loading",
+           FAILED: "the model failed to load (the server's log says why)",
+           RESTARTING: "the engine failed and is being rebuilt"}
 
 
 class ModelHost:
@@ -37,6 +47,8 @@ class ModelHost:
         self.max_model_len: int | None = None if llm is None else llm.max_model_len
         self.input_modalities: list[str] | None = None if llm is None else _modalities(llm)
         self.num_loads = 0 if llm is None else 1
+        self.num_restarts = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._load_task: asyncio.Task | None = None
         self._users = 0
         self._last_used = time.monotonic()
@@ -52,6 +64,7 @@ class ModelHost:
 
     async def start(self) -> None:
         """On the server's event loop, before the port opens: never waits for the load."""
+        self._loop = asyncio.get_running_loop()
         if self.llm is not None:
             llm = self.llm  # its engine (pools zeroed by torch ops) is built on the model thread
             await asyncio.get_running_loop().run_in_executor(self._model_thread, _engine_of, llm)
@@ -61,15 +74,23 @@ class ModelHost:
         if self.idle_unload_s is not None and self._loader is not None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_idle())
 
-    async def stop(self) -> None:
-        """Graceful: in-flight requests finish (the driver waits for them), then the loop ends."""
+    async def stop(self, drain_s: float = 30.0) -> None:
+        """Graceful: in-flight requests finish (up to drain_s), the rest are cut with an error,
+        then the loop ends."""
         if self._watcher is not None:
             self._watcher.cancel()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)
         if self.driver is not None:
-            await asyncio.to_thread(self.driver.stop)
+            await asyncio.to_thread(self.driver.stop, drain_s)
         self._model_thread.shutdown(wait=False)
+
+    def cut(self, reason: str) -> None:
+        """Thread-safe: end every open request now with `reason` (the drain window passed)."""
+        driver = self.driver
+        if driver is not None and driver.num_open:
+            log.warning("%s: ending %d open requests", reason, driver.num_open)
+            driver.cut(reason)
 
     # ---- requests ----
 
@@ -79,27 +100,26 @@ class ModelHost:
         try:
             if self.state == UNLOADED:
                 self._begin_load()
-            if self.state == LOADING:
+            if self.state in (LOADING, RESTARTING):
                 await asyncio.shield(self._load_task)
             if self.state != READY:
-                raise ApiError(503, f"the model failed to load: {self.error}")
+                raise ApiError(503, _PUBLIC[FAILED] if self.state == FAILED
+                               else "the model is not loaded; retry")
             if not self.driver.alive:
-                raise ApiError(503, f"the engine is not running: {self.driver.error}")
+                raise ApiError(503, _PUBLIC[RESTARTING])
             yield self.llm, self.driver
         finally:
             self._users -= 1
             self._last_used = time.monotonic()
 
     def health(self) -> tuple[int, str]:
-        """(HTTP status, what /health says)."""
-        if self.state == LOADING:
-            return 503, "the model is loading"
-        if self.state == FAILED:
-            return 503, f"the model failed to load: {self.error}"
+        """(HTTP status, what /health says): no exception text, which may name local paths."""
+        if self.state in _PUBLIC:
+            return 503, _PUBLIC[self.state]
         if self.state == UNLOADED:  # healthy: the next request loads it
             return 200, "unloaded"
         if not self.driver.alive:
-            return 503, f"the engine is not running: {self.driver.error}"
+            return 503, _PUBLIC[RESTARTING]
         return 200, "ok"
 
     # ---- loading and unloading ----
@@ -108,9 +128,38 @@ class ModelHost:
         self.llm, self.max_model_len = llm, llm.max_model_len
         self.input_modalities = _modalities(llm)
         self.driver = EngineDriver(llm.engine, counters=self.counters, mirror=self.mirror,
-                                   thread=self._model_thread)
+                                   thread=self._model_thread, on_dead=self._engine_died)
         self.driver.start()
         self.state, self.error = READY, None
+
+    def _engine_died(self, driver: EngineDriver) -> None:
+        """From the engine thread, once a failed loop has ended its requests: rebuild (not under
+        --tp: there the failure has ended the rank group)."""
+        if self.mirror is None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_restart, driver)
+
+    def _begin_restart(self, driver: EngineDriver) -> None:
+        if driver is not self.driver or self.state != READY:
+            return  # unloaded or stopped meanwhile
+        self.state = RESTARTING
+        self._load_task = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        start, llm = time.monotonic(), self.llm
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._model_thread,
+                                                             _rebuilt_engine, llm)
+        except Exception as exc:  # the model itself is suspect: load it again next request
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("rebuilding the engine failed: %s", self.error, exc_info=exc)
+            self.counters.unloaded_totals = self.engine_totals()
+            self.llm, self.driver = None, None
+            self.state = UNLOADED if self._loader is not None else FAILED
+            _release_memory()
+            return
+        self.num_restarts += 1
+        self._install(llm)
+        log.warning("the engine was rebuilt in %.1f s; serving again", time.monotonic() - start)
 
     def _begin_load(self) -> None:
         if self._load_task is None or self._load_task.done():
@@ -121,9 +170,11 @@ class ModelHost:
         try:
             llm = await asyncio.get_running_loop().run_in_executor(
                 self._model_thread, lambda: _engine_of(self._loader()))
-        except Exception as exc:  # the waiting requests get a 503 with this message
+        except Exception as exc:  # the waiting requests get a 503; the log has the cause
             self.error = f"{type(exc).__name__}: {exc}"
             first = self.num_loads == 0
+            if not first:  # (a first load's failure is the server's exit message)
+                log.error("reloading the model failed: %s", self.error)
             self.state = FAILED if first else UNLOADED  # a failed reload is retried next request
             if first and self._on_first_load_failed is not None:
                 self._on_first_load_failed(self.error)
@@ -190,6 +241,13 @@ def _release_memory() -> None:
 
 def _modalities(llm) -> list[str]:
     return ["text", "image"] if getattr(llm, "images", None) is not None else ["text"]
+
+
+def _rebuilt_engine(llm) -> None:
+    """A fresh engine on the loaded model (the failed one's pools, graphs and cache dropped)."""
+    llm.drop_engine()
+    _release_memory()
+    _engine_of(llm)
 
 
 def _engine_of(llm):

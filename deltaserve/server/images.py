@@ -1,8 +1,9 @@
 """Image parts of chat requests -> prompt ids + the tower's embeddings, admitted cheaply first.
 
 Order (a refused request pays as little as possible): the model takes images at all, the image
-count, the queue has room; then decoding and slicing (off the event loop), the visual-token and
-context limits; the tower runs last, on the engine thread between steps.
+count, the queue has room; then, off the event loop, every image's header (format, pixels, and the
+request's visual tokens counted from the sizes), decoding and slicing, the context limit; the
+tower runs last, on the engine thread between steps.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def check_image_parts(llm, sources: list) -> None:
                        "retry later", "queue_full")
 
 
-async def image_prompt(llm, driver, text: str, sources: list, mode: str | None):
-    """(prompt ids, ImageInputs) for a rendered chat text with one placeholder per image."""
+async def image_prompt(llm, driver, text: str, sources: list, mode: str | None,
+                       markers: dict[str, str]):
+    """(prompt ids, ImageInputs) for a rendered chat text with one placeholder per image
+    (markers: chat.ChatText's, special-token strings from the messages kept as text)."""
     check_image_parts(llm, sources)
     try:
         processed = await asyncio.to_thread(llm.images.process, sources, mode)
-        ids = llm.images.expand(text, processed)
+        ids = await asyncio.to_thread(llm.images.expand, text, processed,
+                                      lambda t: llm.tokenizer.encode_chat(t, markers))
     except RequestError as exc:
         raise ApiError(400, f"messages: {exc}", "invalid_image", "messages") from exc
     if len(ids) >= llm.max_model_len:

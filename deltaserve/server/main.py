@@ -1,11 +1,14 @@
 """`deltaserve serve`: check the model folder, open the port, load the model in the background
 (/health answers 503 until it is ready), unload it after --idle-unload-min idle minutes and reload it
-on the next request; graceful shutdown on SIGINT / SIGTERM (in-flight requests finish first).
-Under --tp N rank 0 serves HTTP and the other ranks follow its engine (distributed/serve.py)."""
+on the next request. Shutdown on SIGINT / SIGTERM: new connections are refused, in-flight requests
+get --shutdown-timeout seconds to finish, then the rest end with an error (an error event and
+[DONE] on streams); a second signal exits at once. Under --tp N rank 0 serves HTTP and the other
+ranks follow its engine (distributed/serve.py)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -16,6 +19,30 @@ def _log(msg: str) -> None:
     print(f"serve: {msg}", file=sys.stderr, flush=True)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refusals that need no model: before anything loads."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve "
+                          "without one")
+    if args.idle_unload_min is not None and args.idle_unload_min < 0:
+        raise ConfigError("--idle-unload-min must be >= 0 (0 keeps the model loaded)")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise ConfigError("--max-prompt-chars must be positive")
+    if args.shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout must be >= 0")
+
+
+def _server_log() -> None:
+    """The server's own log lines (engine failures, restarts) on stderr like the rest."""
+    logger = logging.getLogger("deltaserve.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("serve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -23,11 +50,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.hub import resolve_model_dir
     from deltaserve.checkpoint.reader import read_config
     from deltaserve.server.app import build_app
+    from deltaserve.server.shutdown import DrainingServer
 
+    _check_args(args)
+    _server_log()
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     read_config(model_dir)  # a missing or broken config.json fails here, before the port opens
-    if args.idle_unload_min is not None and args.idle_unload_min < 0:
-        raise ConfigError("--idle-unload-min must be >= 0 (0 keeps the model loaded)")
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
     name = args.served_model_name or model_dir.name
     limits = image_limits(args)
@@ -79,12 +107,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(served_name=name, api_key=args.api_key, load=load, idle_unload_s=idle_s,
                     on_first_load_failed=first_load_failed,
-                    max_body_bytes=int(args.max_body_mb * 2**20), mirror=mirror)
+                    max_body_bytes=int(args.max_body_mb * 2**20), mirror=mirror,
+                    max_prompt_chars=args.max_prompt_chars,
+                    special_tokens_in_content=args.special_tokens_in_content)
+    app.state.drain_s = args.shutdown_timeout
     _log(f"{name} on http://{args.host}:{args.port}/v1 (loading; /health is 200 once ready"
          f"{'; API key required' if args.api_key else ''}"
          f"{f'; unloads after {args.idle_unload_min:g} idle min' if idle_s else ''})")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=30))
+    # uvicorn's own wait outlasts the drain: by then every request has ended with an error
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                    timeout_graceful_shutdown=args.shutdown_timeout + 10),
+                     app.state.host, args.shutdown_timeout)
 
     def group_ended(error: str | None) -> None:  # an engine failure breaks the ranks' group
         if error is not None:

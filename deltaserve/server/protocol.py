@@ -102,3 +102,13 @@ class CompletionRequest(_Sampling):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

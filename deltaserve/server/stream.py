@@ -1,7 +1,9 @@
 """One API request's choices (n >= 1 engine requests on the same prompt) and the responses built
 from their events: a whole JSON body, or an SSE stream whose chunks name their choice's index.
 
-A client that goes away, or one choice that fails, aborts every choice still running.
+A client that goes away, or one choice that fails, aborts every choice still running: a task
+waits for the connection's http.disconnect from the moment the choices are submitted, so a
+request whose client left is aborted before the engine's next step, streamed or not.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from deltaserve.server.bridge import ADMITTED, EngineDead
 from deltaserve.server.errors import ApiError
 from deltaserve.server.reasoning import ReasoningSplitter, split
 
+_GONE = (-1, None)  # merged's item once the client has disconnected
+
 
 class Choices:
-    def __init__(self, rid: str, n: int, driver) -> None:
-        self.rid, self.driver = rid, driver
+    def __init__(self, rid: str, n: int, driver, request) -> None:
+        """request: the HTTP request whose disconnect aborts the choices."""
+        self.rid, self.driver, self.request = rid, driver, request
         self.rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self.merged: asyncio.Queue = asyncio.Queue()  # (choice index, event)
         self._tasks: list[asyncio.Task] = []
@@ -29,12 +34,27 @@ class Choices:
         """Every choice admitted, or none (the admitted ones are aborted) and an ApiError."""
         queues = [self.driver.submit(r, ids, p, images)
                   for r, p in zip(self.rids, params, strict=True)]
+        self._tasks = [asyncio.create_task(self._watch())]
         firsts = [await q.get() for q in queues]
         refused = next((f for f in firsts if f is not ADMITTED), None)
         if refused is not None:
             self.abort()
             raise _admission_error(refused)
-        self._tasks = [asyncio.create_task(self._forward(i, q)) for i, q in enumerate(queues)]
+        self._tasks += [asyncio.create_task(self._forward(i, q)) for i, q in enumerate(queues)]
+
+    async def _watch(self) -> None:
+        """Waits for http.disconnect (the body was read already: nothing else arrives). The
+        server also says so once the response is complete; the choices are finished by then."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.merged.put_nowait(_GONE)
+        for rid in self.rids:
+            self.driver.abort(rid)
+
+    def close(self) -> None:
+        """The response is complete: stop watching and forwarding."""
+        for task in self._tasks:
+            task.cancel()
 
     async def _forward(self, index: int, events: asyncio.Queue) -> None:
         while True:
@@ -49,25 +69,23 @@ class Choices:
         for task in self._tasks:
             task.cancel()
 
-    async def next(self, request):
-        """The next (index, event); polls for a client that went away (then aborts, raises)."""
-        while True:
-            try:
-                return await asyncio.wait_for(self.merged.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    self.abort()
-                    raise asyncio.CancelledError from None
+    async def next(self):
+        """The next (index, event); the client went away: everything aborted, CancelledError."""
+        item = await self.merged.get()
+        if item is _GONE:
+            self.abort()
+            raise asyncio.CancelledError
+        return item
 
     def fail_on(self, ev) -> None:
         """A failed choice fails the request: the others are aborted, the status is 5xx."""
         if isinstance(ev, EngineDead):
             self.abort()
-            raise ApiError(503, f"the engine is not running: {ev}")
+            raise ApiError(503, str(ev), "engine_unavailable")
         if ev.finish_reason == "error":
             self.abort()
-            raise ApiError(500, "the model produced non-finite logits; the request was stopped",
-                           "non_finite_logits")
+            raise ApiError(500, f"the request failed ({ev.stop_reason}) and was stopped; other "
+                           "requests are unaffected", "non_finite_logits")
 
 
 def _admission_error(item) -> ApiError:
@@ -78,7 +96,7 @@ def _admission_error(item) -> ApiError:
     return ApiError(400, str(item))
 
 
-async def collect(choices: Choices, request) -> list[tuple[str, str, list[int], list]]:
+async def collect(choices: Choices) -> list[tuple[str, str, list[int], list]]:
     """Per choice: (text, finish reason, token ids, the engine's logprob entries if asked)."""
     n = len(choices.rids)
     parts: list[list[str]] = [[] for _ in range(n)]
@@ -86,7 +104,7 @@ async def collect(choices: Choices, request) -> list[tuple[str, str, list[int], 
     lps: list[list] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     while any(r is None for r in reasons):
-        i, ev = await choices.next(request)
+        i, ev = await choices.next()
         choices.fail_on(ev)
         parts[i].append(ev.text)
         ids[i].extend(ev.token_ids)
@@ -143,7 +161,7 @@ class StreamSpec:
     echo: tuple[str, dict | None] | None = None
 
 
-async def sse(request, choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
+async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
     from deltaserve.server.logprobs import step_logprobs
 
     kind = spec.kind
@@ -165,11 +183,14 @@ async def sse(request, choices: Choices, spec: StreamSpec, first=None) -> AsyncI
             yield frame([{**choice(kind, i, spec.echo[0], None, True), "logprobs": spec.echo[1]}])
         while open_choices:
             (i, ev), first = (first, None) if first is not None else (
-                await choices.next(request), None)
+                await choices.next(), None)
             if isinstance(ev, EngineDead) or ev.finish_reason == "error":
-                what = "non-finite logits" if not isinstance(ev, EngineDead) else str(ev)
-                err = {"error": {"message": what, "type": "server_error", "code": 500}}
+                what = str(ev) if isinstance(ev, EngineDead) else (
+                    f"the request failed ({ev.stop_reason}) and was stopped")
+                code = 503 if isinstance(ev, EngineDead) else 500
+                err = {"error": {"message": what, "type": "server_error", "code": code}}
                 yield f"data: {json.dumps(err)}\n\n"  # mid-stream errors as vLLM sends them
+                yield "data: [DONE]\n\n"
                 return
             n_out += len(ev.token_ids)
             reasoning, text = splitters[i].push(ev.text)
@@ -189,3 +210,4 @@ async def sse(request, choices: Choices, spec: StreamSpec, first=None) -> AsyncI
     finally:
         if open_choices:  # the client went away (or the stream failed): free the slots
             choices.abort()
+        choices.close()

@@ -187,3 +187,50 @@ def test_limits_are_400s_and_text_only_models_refuse_images(base, tiny_llm) -> N
         assert response.status_code == 400 and "takes no images" in response.text
         card = httpx.get(f"{text_base}/v1/models").json()["data"][0]
         assert card["architecture"]["input_modalities"] == ["text"]
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> list[tuple[int, int]]:
+    """The size of every image whose pixels get decoded (Pillow's load) while the test runs."""
+    from PIL import ImageFile
+
+    seen: list[tuple[int, int]] = []
+    load = ImageFile.ImageFile.load
+
+    def counting_load(self):
+        seen.append(self.size)
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counting_load)
+    return seen
+
+
+def test_visual_token_budget_is_checked_before_any_image_is_decoded(
+        base, vision_llm, decodes, monkeypatch) -> None:
+    """Issue 31: eight 6000x6000 PNGs at the default limits (8 images, 4096 visual tokens) were
+    all decoded (15 s) before the budget refused them; their headers alone refuse them now."""
+    from deltaserve.multimodal.inputs import ImageLimits
+
+    monkeypatch.setattr(vision_llm.images, "limits", ImageLimits())
+    big = data_url(encoded(Image.new("RGB", (6000, 6000), "white")))  # ~100 kB, 640 tokens
+    body = {"model": NAME, "max_tokens": 2,
+            "messages": user(*[image_part(big)] * 8, {"type": "text", "text": "?"})}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 400 and "5120 visual tokens" in response.text, response.text
+    assert response.json()["error"]["code"] == "invalid_image"
+    assert decodes == []
+
+
+def test_a_bad_header_after_a_good_image_is_refused_before_decoding_either(base, decodes) -> None:
+    good = image_part(data_url(encoded(picture(40, 60))))
+    for bad in (data_url(png_header_only(30_000, 30_000)), data_url(b"%PDF-1.4", "image/png")):
+        response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": NAME, "max_tokens": 2, "messages": user(good, image_part(bad))})
+        assert response.status_code == 400, response.text
+    assert decodes == []
+    # a valid header over corrupt pixel data still reaches the decoder, and is a 400 there
+    png = encoded(picture(40, 60))
+    response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": NAME, "max_tokens": 2,
+        "messages": user(good, image_part(data_url(png[: len(png) // 2])))})
+    assert response.status_code == 400 and "truncated or corrupt" in response.text
