@@ -1,6 +1,7 @@
 """The async bridge: the engine's step loop runs on one thread; request handlers (asyncio) submit
 requests and read each one's events from its own asyncio.Queue. The engine is touched by that
-thread only: adds and aborts reach it through a command queue, drained between steps.
+thread only: adds and aborts reach it through a command queue, drained between steps, and what
+/metrics shows it publishes as an immutable snapshot after each step (metrics.Gauges).
 
 Per request the queue yields ADMITTED (or the admission error, e.g. CapacityError for a full
 queue), then StepOutputs until one is finished, or an EngineDead if the loop failed.
@@ -16,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from deltaserve.server.metrics import gauges_of
 
 ADMITTED = "admitted"
 log = logging.getLogger("deltaserve.server")
@@ -124,6 +127,8 @@ class EngineDriver:
         self._worker = thread
         self._done: concurrent.futures.Future | None = None  # the loop's run on that thread
         self.last_event_at = 0.0  # when a request last got tokens or finished (idle unload)
+        # what /metrics reads, replaced (never changed) by the engine thread after each step
+        self.gauges = gauges_of(engine)
 
     def start(self) -> None:
         if self._worker is None:
@@ -218,12 +223,14 @@ class EngineDriver:
             try:
                 self._drain()
                 if not self.engine.has_work:
+                    self.gauges = gauges_of(self.engine)
                     if self.mirror is not None:
                         self.mirror.idle()
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
                 events = self.engine.step()
+                self.gauges = gauges_of(self.engine)
             except Exception as exc:  # the engine (or the rank group) is in an unknown state
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.error("the engine failed; ending its %d open requests: %s",

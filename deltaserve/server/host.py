@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from deltaserve.server.bridge import Counters, EngineDriver, ModelThread, log
 from deltaserve.server.errors import ApiError
+from deltaserve.server.metrics import COUNTS
 
 LOADING, READY, UNLOADED, FAILED = "loading", "ready", "unloaded", "failed"
 RESTARTING = "restarting"  # the engine failed and is being rebuilt on the loaded model
@@ -158,6 +159,7 @@ class ModelHost:
             _release_memory()
             return
         self.num_restarts += 1
+        self.counters.unloaded_totals = self.engine_totals()  # the failed engine's counts
         self._install(llm)
         log.warning("the engine was rebuilt in %.1f s; serving again", time.monotonic() - start)
 
@@ -200,11 +202,9 @@ class ModelHost:
     def engine_totals(self) -> dict[str, int]:
         """Preemptions and prefix-cache lookups over every load of the model (monotonic)."""
         totals = dict(self.counters.unloaded_totals)
-        for key, value in _engine_counts(self.llm).items():
+        for key, value in _engine_counts(self.driver).items():
             totals[key] = totals.get(key, 0) + value
-        return {k: totals.get(k, 0) for k in ("preemptions", "prefix_hits", "prefix_misses",
-                                              "spec_drafts", "spec_draft_tokens",
-                                              "spec_accepted_tokens")}
+        return {k: totals.get(k, 0) for k in COUNTS}
 
     async def unload(self) -> None:
         self.counters.unloaded_totals = self.engine_totals()
@@ -215,17 +215,9 @@ class ModelHost:
         _release_memory()
 
 
-def _engine_counts(llm) -> dict[str, int]:
-    if llm is None:
-        return {}
-    prefix = llm.engine.cache.prefix
-    stats = prefix.stats() if prefix is not None else {"hits": 0, "misses": 0}
-    spec = llm.engine.spec.stats if llm.engine.spec is not None else None
-    return {"preemptions": llm.engine.scheduler.num_preemptions_total,
-            "prefix_hits": stats["hits"], "prefix_misses": stats["misses"],
-            "spec_drafts": spec.num_drafts if spec else 0,
-            "spec_draft_tokens": spec.num_draft_tokens if spec else 0,
-            "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0}
+def _engine_counts(driver) -> dict[str, int]:
+    """The engine's totals as its thread last published them (metrics.Gauges)."""
+    return {} if driver is None else dict(zip(COUNTS, driver.gauges.counts, strict=True))
 
 
 def _release_memory() -> None:

@@ -1,20 +1,45 @@
 """/metrics: Prometheus text under vLLM's metric names (ours where vLLM has none or means
-otherwise)."""
+otherwise), from gauges the engine thread publishes after each step: the event loop never reads
+the engine's own structures while that thread changes them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTS = ("preemptions", "prefix_hits", "prefix_misses", "spec_drafts", "spec_draft_tokens",
+          "spec_accepted_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """One step's view of the engine, immutable once published (bridge.EngineDriver.gauges)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used: float = 0.0  # the fraction of KV blocks not free
+    counts: tuple[int, ...] = (0,) * len(COUNTS)  # COUNTS' totals for this engine
+
+
+def gauges_of(engine) -> Gauges:
+    """On the engine thread (or before it starts): O(1) reads, cheap enough for every step."""
+    prefix, spec = engine.cache.prefix, engine.spec.stats if engine.spec is not None else None
+    kv = engine.cache.kv
+    counts = (engine.scheduler.num_preemptions_total,
+              prefix.hits if prefix is not None else 0, prefix.misses if prefix is not None else 0,
+              spec.num_drafts if spec else 0, spec.num_draft_tokens if spec else 0,
+              spec.num_accepted_tokens if spec else 0)
+    return Gauges(engine.scheduler.num_running, engine.scheduler.num_waiting,
+                  1.0 - kv.num_free / max(1, engine.cache.config.num_blocks), counts)
 
 
 def metrics_text(host, name: str) -> str:
     """Prometheus text under vLLM's metric names (ours where vLLM has none or means otherwise)."""
     c, llm, driver = host.counters, host.llm, host.driver
     label = f'{{model_name="{name}"}}'
-    running = waiting = num_open = 0
-    kv_used = 0.0
+    gauges = driver.gauges if llm is not None and driver is not None else Gauges()
+    running, waiting, kv_used = gauges.running, gauges.waiting, gauges.kv_used
+    num_open = driver.num_open if llm is not None and driver is not None else 0
     engine = host.engine_totals()
-    if llm is not None:
-        sched, usage = llm.engine.scheduler, llm.engine.cache.usage()
-        running, waiting, num_open = sched.num_running, sched.num_waiting, driver.num_open
-        kv_used = 1.0 - usage["blocks_free"] / max(1, usage["blocks_total"])
     lines = [
         f"vllm:num_requests_running{label} {running}",
         f"vllm:num_requests_waiting{label} {waiting}",

@@ -258,3 +258,62 @@ def test_a_mixed_soak_loses_nothing_and_leaks_nothing(served) -> None:
     assert figures["statuses"].get("400") == figures["kinds"]["bad_input"], figures
     _healthy_and_idle(base, llm)
     assert _together(base, [_body(CODE)])[0] == before  # greedy output unchanged after
+
+
+def test_metrics_under_a_churning_engine_never_touch_its_structures(served, monkeypatch) -> None:
+    """/metrics once iterated the cache manager's dicts from the event loop while the engine thread
+    changed them ("dictionary changed size during iteration"). Now it reads the gauges the engine
+    thread publishes: 150 scrapes during 48 requests all answer, and nothing of the cache manager
+    runs on another thread."""
+    base, llm = served
+    cache, engine_thread, strays = llm.engine.cache, [], []
+    usage = cache.usage
+
+    def watched():
+        if engine_thread and threading.get_ident() != engine_thread[0]:
+            strays.append(threading.current_thread().name)
+        return usage()
+
+    engine_thread.append(_engine_thread_ident(base, llm))
+    monkeypatch.setattr(cache, "usage", watched)
+    scrapes, stop = [], threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            r = httpx.get(f"{base}/metrics", timeout=30)
+            scrapes.append((r.status_code, _gauge(r.text, "vllm:kv_cache_usage_perc")))
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        got = _together(base, [_body(CODE if i % 2 else PROSE, max_tokens=8,
+                                     stream=bool(i % 3)) for i in range(48)])
+        while len(scrapes) < 150:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        scraper.join(30)
+    assert all(status == 200 for status, _ in got)
+    assert all(s == 200 and 0 <= kv <= 1 for s, kv in scrapes), scrapes[:5]
+    assert not strays
+
+
+def _gauge(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _engine_thread_ident(base: str, llm) -> int:
+    """The engine thread's ident, asked of the engine thread itself (a request's step runs there)."""
+    seen, step = [], llm.engine.step
+
+    def spy():
+        seen.append(threading.get_ident())
+        return step()
+
+    llm.engine.step = spy
+    try:
+        _together(base, [_body(CODE, max_tokens=1)])
+    finally:
+        del llm.engine.step
+    return seen[0]
