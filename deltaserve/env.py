@@ -22,6 +22,9 @@ class Env:
     num_threads: int  # DELTASERVE_NUM_THREADS: torch intra-op threads on CPU (0 = torch default)
     offline: bool  # HF_HUB_OFFLINE=1 (huggingface_hub's own knob): never touch the network
     native: bool  # DELTASERVE_NATIVE=0: never build/load the C CPU kernels (use torch's ops)
+    # DELTASERVE_CPU_MARCH: the C kernels' -march (default "native"; e.g. x86-64-v3 = AVX2 + FMA +
+    # F16C, no AVX-512: a build for a lesser CPU, or one shared cache folder for several machines)
+    cpu_march: str
     huge_pages: bool  # DELTASERVE_HUGE_PAGES=0: no MADV_HUGEPAGE on CPU weights
     cuda_graphs: bool  # DELTASERVE_CUDA_GRAPHS=0: GPU decode steps launch eagerly
     # DELTASERVE_FUSED_DECODE=0: a CPU decode step runs layer by layer in Python, not as one
@@ -72,6 +75,7 @@ class Env:
             num_threads=int(os.environ.get("DELTASERVE_NUM_THREADS", "0") or 0),
             offline=_flag("HF_HUB_OFFLINE"),
             native=_flag("DELTASERVE_NATIVE", default=True),
+            cpu_march=(os.environ.get("DELTASERVE_CPU_MARCH") or "native").strip(),
             huge_pages=_flag("DELTASERVE_HUGE_PAGES", default=True),
             cuda_graphs=_flag("DELTASERVE_CUDA_GRAPHS", default=True),
             fused_decode=_flag("DELTASERVE_FUSED_DECODE", default=True),

@@ -21,6 +21,53 @@ if "DELTASERVE_CACHE_DIR" not in os.environ:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# the CPU flags that decide the C kernels' paths (ops/native.isa_paths), in the run's header
+_ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
+
+
+def _isa_lines() -> list[str]:
+    from deltaserve.env import env
+    from deltaserve.ops.native import cpu_flags, isa_paths
+
+    flags = cpu_flags()
+    built = ", ".join(isa_paths()) or "none (torch's ops only)"
+    return [
+        f"cpu flags: {' '.join(f for f in _ISA_FLAGS if f in flags) or 'none of interest'}",
+        f"CPU kernels (-march={env().cpu_march}): {built}; AVX2 and scalar builds too in "
+        "tests/ops/test_native_isa.py, an x86-64-v3 one in tests/ops/test_isa_paths.py",
+    ]
+
+
+def pytest_report_header(config) -> list[str]:
+    return _isa_lines()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Repeat the kernels' paths after the results, with how many tests skipped for lack of one."""
+    from tests.isa import SKIP_PREFIX
+
+    skips = [
+        r
+        for r in terminalreporter.stats.get("skipped", [])
+        if isinstance(r.longrepr, tuple) and SKIP_PREFIX in str(r.longrepr[2])
+    ]
+    terminalreporter.write_sep("-", "ISA paths")
+    for line in [*_isa_lines(), f"tests skipped for an ISA path the kernels lack: {len(skips)}"]:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_env():
     """env() is cached: every test starts from, and leaves behind, the real environment."""

@@ -1,9 +1,10 @@
 """Small C kernels for the CPU, compiled on first use with the system C compiler and loaded by ctypes.
 
-No torch headers (a build takes well under a second); built with -march=native into the cache
-folder, keyed by source and flags. The vector paths take AVX-512 or, on CPUs without it (most
-laptops), AVX2 + FMA (csrc/simd.h); elsewhere their scalar loops run. If no compiler works,
-callers fall back to torch.
+No torch headers (a build takes well under a second); built with -march=native (or
+DELTASERVE_CPU_MARCH) into the cache folder, keyed by source and flags (ops/native_cache.py checks
+a build before loading it). The vector paths take AVX-512 or, on CPUs without it (most laptops),
+AVX2 + FMA (csrc/simd.h); elsewhere their scalar loops run; `isa_paths()` says which were built. If
+no compiler works, callers fall back to torch.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import threading
 from pathlib import Path
 
 from deltaserve.env import env
+from deltaserve.ops import native_cache
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_LAYOUT = "sha256-v2"  # cache layout: builds from before the recorded hash get a new key, unread
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -47,36 +50,54 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
-def build(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The kernels compiled for -march=`march` (tests build the AVX2 and scalar paths this way on
-    an AVX-512 machine), cached under cache_dir (default: the cache folder) by source and flags;
-    None if no compiler works."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (avx2, avx512_vnni, amx_bf16; ARM: asimd, ...);
+    empty where /proc/cpuinfo has none."""
+    line = _cpu_signature()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> bool:
+    proc = subprocess.run(
+        [cc, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        print(
+            f"deltaserve: building CPU kernels failed; using torch's path ({proc.stderr.strip()[:200]})",
+            file=sys.stderr,
+        )
+    return proc.returncode == 0
+
+
+def build(march: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The kernels compiled for -march=`march` (default DELTASERVE_CPU_MARCH, else native; tests
+    build the AVX2 and scalar paths this way on an AVX-512 machine), cached under cache_dir
+    (default: the cache folder) by source and flags; None if no compiler works. A cached build
+    is loaded only if it passes ops/native_cache's checks, else rebuilt."""
     cc = _compiler()
     if cc is None:
         return None
+    march = march or env().cpu_march
     flags = [*_FLAGS, f"-march={march}"]
     source = b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS))
     # -march=native means this CPU: a cache folder shared with another machine (NFS, an image)
     # must not hand an AVX-512 build to an AVX2 one
     host = _cpu_signature() if march == "native" else ""
-    key = hashlib.sha256(source + " ".join([cc, *flags, host]).encode()).hexdigest()[:16]
-    out = (cache_dir or env().cache_dir) / "native" / key / "libdeltaserve_cpu.so"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        proc = subprocess.run(
-            [cc, *flags, *map(str, _SOURCES), "-o", str(tmp), "-lm"],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            print(
-                f"deltaserve: building CPU kernels failed; using torch's path ({proc.stderr.strip()[:200]})",
-                file=sys.stderr,
-            )
-            return None
-        tmp.replace(out)
-    return _declare(ctypes.CDLL(str(out)))
+    key = hashlib.sha256(source + " ".join([cc, *flags, host, _LAYOUT]).encode()).hexdigest()[:16]
+    key_dir = (cache_dir or env().cache_dir) / "native" / key
+    with native_cache.locked(key_dir):
+        path, why = native_cache.verified(key_dir)
+        if why is not None:
+            print(f"deltaserve: not loading the cached CPU kernels ({why}); rebuilding",
+                  file=sys.stderr)
+        if path is None:
+            path = native_cache.install(key_dir, lambda out: _compile(cc, flags, out))
+            if path is None:
+                return None
+        lib = ctypes.CDLL(str(path))
+    if path.parent != key_dir:  # a private copy (install's fallback): loaded, so no longer needed
+        shutil.rmtree(path.parent, ignore_errors=True)
+    return _declare(lib)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -130,3 +151,27 @@ def simd_lanes() -> int:
     lib = native_lib()
     fn = getattr(lib, "ds_simd_lanes", None) if lib is not None else None
     return int(fn()) if fn is not None else 0
+
+
+# the kernels whose symbols exist only where their instruction set was built
+_ISA_SYMBOLS = {"vnni-int8": "ds_gemv_q8_vnni", "vnni-int4": "ds_gemv_a4_vnni",
+                "amx-bf16": "ds_gemm_amx"}
+
+
+def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
+    """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512"
+    or "avx2" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
+    hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs); "amx-bf16" (the AMX GEMM,
+    which also needs the kernel's grant at run time: ops/gemm_amx.available). () without kernels;
+    "unknown" first for a library without ds_simd_isa (built before it)."""
+    lib = lib if lib is not None else native_lib()
+    if lib is None:
+        return ()
+    isa = getattr(lib, "ds_simd_isa", None)
+    if isa is None:  # a library built before ds_simd_isa: its vector path is not recorded
+        vector, bits = "unknown", 0
+    else:
+        bits = int(isa())  # csrc/gemv_quant.c: 1 AVX2 + FMA, 2 AVX-512, 4 F16C
+        vector = "avx512" if bits & 2 else "avx2" if bits & 1 else "scalar"
+    return (vector, *(["f16c"] if bits & 4 else []),
+            *(name for name, symbol in _ISA_SYMBOLS.items() if hasattr(lib, symbol)))

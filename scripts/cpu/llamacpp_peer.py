@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.bench.record import device_info, git_commit  # noqa: E402
+from deltaserve.ops.native import isa_paths  # noqa: E402
 
 
 def ours(model: str, threads: int, prompt: int) -> dict:
@@ -65,9 +66,15 @@ def main() -> None:
                     help="prefill length timed (0: decode only, for a build whose prefill fails)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # the knobs that restrict our kernels and torch's to an instruction set (an AVX2-only
+    # machine emulated on a larger one), as the runs below inherit them
+    isa_env = {k: os.environ[k] for k in ("DELTASERVE_CPU_MARCH", "ATEN_CPU_CAPABILITY",
+                                          "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+               if k in os.environ}
     record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
               "device": device_info("cpu"), "threads": args.threads, "prompt": args.prompt,
-              "llama_bench": args.llama_bench, "pairs": {}}
+              "llama_bench": args.llama_bench, "isa_env": isa_env,
+              "isa_paths": list(isa_paths()), "pairs": {}}
     for pair in args.pair:
         model, gguf = pair.split("=", 1)
         runs = []

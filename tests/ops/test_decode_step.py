@@ -19,7 +19,7 @@ from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.env import env
 from deltaserve.ops import decode_step
-from deltaserve.ops.native import native_lib
+from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.ops.norm import native_rows
 from deltaserve.ops.qgemv import QGEMM_MAX_ROWS
 from deltaserve.quant.convert import quantize_checkpoint
@@ -198,13 +198,14 @@ def test_the_plan_declines_what_it_cannot_run(tiny_dir) -> None:
 def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeypatch) -> None:
     """Above max_rows the layered path dequantizes for torch's GEMM, which the plan does not run:
     such a step must not reach the plan (which refuses it too). The multi-row kernels (int8,
-    int4) take 32 rows, q1 (a GEMV per row) 16."""
+    int4) take 32 rows where the build has vector paths, q1 (a GEMV per row) and every format on
+    the scalar build (ops/qgemv.qgemm_max_rows) 16."""
     lm = LLM(quantized_dir, dtype="float32").model
     plan = decode_step.build_plan(lm, *pools(lm))
     multi_kinds = (decode_step.Q8, decode_step.Q8_VNNI, decode_step.A4, decode_step.A4_VNNI)
     multi = all(getattr(spec, name).kind in multi_kinds
                 for spec in plan.layers for name in ("mix_in", "mix_out", "gate_up", "down"))
-    assert plan.max_rows == (QGEMM_MAX_ROWS if multi else 16)
+    assert plan.max_rows == (QGEMM_MAX_ROWS if multi and simd_lanes() else 16)
     for num_seqs in (plan.max_rows, plan.max_rows + 1):
         states, kv = pools(lm, num_seqs)
         step(lm, states, kv, [([3], 0)] * num_seqs, True, monkeypatch,

@@ -10,10 +10,7 @@ import torch.nn.functional as F
 
 from deltaserve.env import env
 from deltaserve.ops import gemm_amx
-
-needs_amx = pytest.mark.skipif(
-    gemm_amx._kernel() is None, reason="this CPU (or compiler) has no AMX-BF16: kernel not built"
-)
+from tests.isa import needs_amx
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -7,13 +7,19 @@ import torch
 
 from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_ref
 from deltaserve.ops.gemv import gemm_small, gemv, gemv_ref
-from deltaserve.ops.native import native_lib
+from deltaserve.ops.native import native_lib, simd_lanes
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: torch paths only")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+# fp32 accumulation, only the summation order differs. The vector builds sum in 16 lanes (2.7e-7
+# from the fp64 product at K = 3584); the scalar build (ARM, plain x86-64) in one running sum,
+# 1.07e-6 there (and the reference itself is 2.6-5.6e-7 off): 1.1-1.2e-6 apart at that K
+GEMV_BOUND = 1e-6 if simd_lanes() else 2e-6
 
 
 @pytest.mark.parametrize("rows,cols", [(8224, 1024), (1024, 3584), (13, 64), (7, 100), (16, 1024)])
@@ -23,7 +29,7 @@ def test_gemv_matches_reference(rows: int, cols: int) -> None:
     x = torch.randn(1, cols, generator=gen)
     out = gemv(x, w)
     assert out.dtype == torch.float32 and out.shape == (1, rows)
-    assert rel(out, gemv_ref(x, w)) <= 1e-6  # fp32 accumulation, only the summation order differs
+    assert rel(out, gemv_ref(x, w)) <= GEMV_BOUND
 
 
 def _gdn_inputs(bsz: int, heads_k: int, heads_v: int, k_dim: int, v_dim: int, seed: int):
@@ -86,4 +92,4 @@ def test_small_batch_gemm_matches_reference(batch: int, rows: int, cols: int) ->
     x = torch.randn(batch, cols)
     out = gemm_small(x, w)
     assert out.shape == (batch, rows)
-    assert rel(out, gemv_ref(x, w)) <= 1e-6
+    assert rel(out, gemv_ref(x, w)) <= GEMV_BOUND

@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.native import build
+from deltaserve.ops.native import build, cpu_flags, isa_paths
 from deltaserve.quant.schemes import FORMATS, dequantize, quantize
 
 P, L = ctypes.c_void_p, ctypes.c_long
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln.split(":")[1].split() for ln in text.splitlines()
-                     if ln.startswith("flags")), []))
 
 
 ARCHS = {"haswell": {"avx2", "fma"}, "x86-64": set()}
@@ -33,7 +23,7 @@ ARCHS = {"haswell": {"avx2", "fma"}, "x86-64": set()}
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def lib(request, tmp_path_factory):
-    if platform.machine() != "x86_64" or not ARCHS[request.param] <= _cpu_flags():
+    if platform.machine() != "x86_64" or not ARCHS[request.param] <= cpu_flags():
         pytest.skip(f"this CPU cannot run -march={request.param} code")
     built = build(request.param, tmp_path_factory.mktemp("native-" + request.param))
     if built is None:
@@ -59,6 +49,7 @@ def test_the_build_reports_its_vector_lanes(lib, request) -> None:
     """16 with AVX2 + FMA; 0 for plain x86-64, where the multi-row kernels are not preferred."""
     arch = request.node.callspec.params["lib"]
     assert lib.ds_simd_lanes() == (16 if arch == "haswell" else 0)
+    assert isa_paths(lib) == (("avx2", "f16c") if arch == "haswell" else ("scalar",))
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 100)])

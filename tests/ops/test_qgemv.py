@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.env import env
-from deltaserve.ops.native import native_lib
+from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.ops.qgemv import (
     SCALE_KINDS,
     a4_is_vnni,
@@ -18,6 +18,7 @@ from deltaserve.ops.qgemv import (
     quantize_act,
 )
 from deltaserve.quant.schemes import FORMATS, INT8, Scheme, dequantize, quantize
+from tests.isa import needs_vnni_int8, without_vnni_int8
 
 SCHEMES = {**FORMATS, "int8-g32": Scheme("int8", 8, 32), "affine8": Scheme("affine", 8, 64)}
 
@@ -60,11 +61,6 @@ def test_native_quantized_kernels_are_built_here() -> None:
     assert lib is not None and all(hasattr(lib, f) for f in ("ds_gemv_q8", "ds_gemv_a4", "ds_gemv_q1"))
 
 
-def test_vnni_int8_kernel_is_built_here() -> None:
-    """This machine has AVX512-VNNI: the int8-activation tests below must run the VNNI kernel."""
-    assert hasattr(native_lib(), "ds_gemv_q8_vnni")
-
-
 def vnni(x: torch.Tensor, p: dict, group: int = 64) -> torch.Tensor:
     """The VNNI kernel itself (qgemv's dispatch may pick the exact one for a shape)."""
     out = torch.empty(1, p["weight"].shape[0])
@@ -78,6 +74,7 @@ def vnni(x: torch.Tensor, p: dict, group: int = 64) -> torch.Tensor:
 VNNI_SHAPES = [(37, 384), (203, 896), (1000, 1024), (5, 3584)]
 
 
+@needs_vnni_int8
 @pytest.mark.parametrize(("rows", "cols", "group"), [(*s, 64) for s in VNNI_SHAPES] + [(203, 896, 128)])
 def test_vnni_kernel_matches_the_int8_activation_reference(rows, cols, group) -> None:
     scheme = Scheme("int8", 8, group)
@@ -93,6 +90,7 @@ def test_vnni_kernel_matches_the_int8_activation_reference(rows, cols, group) ->
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
 
 
+@needs_vnni_int8
 @pytest.mark.parametrize(("rows", "cols"), VNNI_SHAPES[:3])
 def test_vnni_kernel_is_within_activation_quantization_of_the_spec(rows, cols) -> None:
     """x rounded to 1/127 of its group's absmax: rel-L2 ~0.6% on gaussian data (rms of a uniform
@@ -104,6 +102,7 @@ def test_vnni_kernel_is_within_activation_quantization_of_the_spec(rows, cols) -
     assert ((vnni(x, p) - ref).norm() / ref.norm()).item() <= 1.5e-2
 
 
+@needs_vnni_int8
 def test_vnni_kernel_survives_zero_groups_and_huge_dynamic_range() -> None:
     torch.manual_seed(3)
     p = packed_random(203, 1024, INT8)
@@ -120,6 +119,7 @@ def test_vnni_kernel_survives_zero_groups_and_huge_dynamic_range() -> None:
     assert vnni(poisoned, p).isnan().all() and qgemv_ref(poisoned, p, INT8).isnan().all()
 
 
+@needs_vnni_int8
 def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
     torch.manual_seed(5)
     p, x = packed_random(1000, 1024, INT8), torch.randn(1, 1024)
@@ -140,6 +140,23 @@ def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
         env.cache_clear()
     assert not torch.equal(exact, vnni(x, p))
     assert ((exact - qgemv_ref(x, p, INT8)).norm() / exact.norm()).item() <= 1e-5
+
+
+@without_vnni_int8
+def test_int8_decode_without_vnni_is_exact_whatever_the_knob(monkeypatch) -> None:
+    """A build without the VNNI kernel (AVX2, scalar) never picks it: int8 decode keeps fp32
+    activations with DELTASERVE_EXACT_INT8_ACT unset, the bits it gives with the knob set."""
+    torch.manual_seed(5)
+    p, x = packed_random(1000, 1024, INT8), torch.randn(1, 1024)
+    outs = []
+    for knob in ("0", "1"):
+        monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", knob)
+        env.cache_clear()
+        assert not q8_is_vnni(native_lib(), 1000, 1024, 64)
+        outs.append(qgemv(x, p, INT8))
+    env.cache_clear()
+    assert torch.equal(outs[0], outs[1])
+    assert ((outs[0] - qgemv_ref(x, p, INT8)).norm() / outs[0].norm()).item() <= 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -220,7 +237,8 @@ def test_multi_row_gemm_is_a_gemv_per_row_bit_for_bit(name, num_rows, rows, cols
 
 def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:
     """20 int8 rows: in a decode-only step (native_rows) each row gets its GEMV's bits through the
-    multi-row kernel; in a prefill chunk the weight is dequantized and the fp32 GEMM runs."""
+    multi-row kernel; in a prefill chunk the weight is dequantized and the fp32 GEMM runs. The
+    scalar build (no vector paths) keeps the GEMV per row to 16 rows: 20 take the prefill path."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
@@ -234,7 +252,8 @@ def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:
     x = torch.randn(CPU_GEMV_MAX_ROWS + 4, 256)
     singles = torch.cat([qgemv(x[r : r + 1], packed, INT8) for r in range(x.shape[0])])
     with native_rows():
-        assert torch.equal(quant_linear(x, module), singles)
+        decode = quant_linear(x, module)
     prefill = quant_linear(x, module)
+    assert torch.equal(decode, singles if simd_lanes() else prefill)
     assert torch.allclose(prefill, F.linear(x, dequantize(packed, INT8)), rtol=1e-5, atol=1e-4)
     assert not torch.equal(prefill, singles)  # activation rounding: the other path ran

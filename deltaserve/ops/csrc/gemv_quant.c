@@ -25,6 +25,17 @@
 // the multi-row kernels then save nothing over a GEMV per row (ops/qgemv.qgemm_max_rows).
 int ds_simd_lanes(void) { return DS_SIMD16 ? 16 : 0; }
 
+// The paths this build compiled, as ops/native.isa_paths reads them (what -march gave the
+// compiler, not what the CPU has): bit 0 AVX2 + FMA vector loops, bit 1 AVX-512 ones, bit 2 F16C
+// scale widening. The VNNI and AMX kernels show as their symbols.
+int ds_simd_isa(void) {
+#if defined(__F16C__)
+  return DS_SIMD_ISA | 4;
+#else
+  return DS_SIMD_ISA;
+#endif
+}
+
 static void group_sums(const float* x, float* xs, long K, long G) {
   for (long g = 0; g < K / G; g++) {
     float s = 0.f;

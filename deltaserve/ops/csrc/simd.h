@@ -10,6 +10,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define DS_SIMD16 1
+#define DS_SIMD_ISA 2  // which branch was built, for ds_simd_isa (gemv_quant.c)
 typedef __m512 vf16;
 static inline vf16 vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf16 vf_load(const float* p) { return _mm512_loadu_ps(p); }
@@ -39,6 +40,7 @@ static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DS_SIMD16 1
+#define DS_SIMD_ISA 1
 typedef struct {
   __m256 a, b;  // lanes 0-7, 8-15
 } vf16;
@@ -89,6 +91,7 @@ static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
 
 #else
 #define DS_SIMD16 0
+#define DS_SIMD_ISA 0
 #endif
 
 #endif

@@ -1,0 +1,33 @@
+"""Markers for tests of ISA-specific CPU kernels: each runs where the loaded kernels have its path
+(ops/native.isa_paths, read from the library) and skips, saying why, where they do not. A skip
+cannot hide a broken build: tests/ops/test_isa_paths.py checks that the build has every path its
+CPU and -march allow."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.ops import gemm_amx
+from deltaserve.ops.native import isa_paths
+
+PATHS = isa_paths()
+SKIP_PREFIX = "the loaded CPU kernels have no"  # conftest's summary counts these skips
+_WHY = (
+    SKIP_PREFIX + " {} (the CPU, or DELTASERVE_CPU_MARCH, lacks {}; "
+    f"built paths: {', '.join(PATHS) or 'none'})"
+)
+
+needs_vnni_int8 = pytest.mark.skipif(
+    "vnni-int8" not in PATHS, reason=_WHY.format("int8-activation int8 GEMV", "AVX512-VNNI")
+)
+needs_vnni_int4 = pytest.mark.skipif(
+    "vnni-int4" not in PATHS, reason=_WHY.format("int8-activation int4 GEMV", "AVX512-VNNI")
+)
+without_vnni_int8 = pytest.mark.skipif(
+    "vnni-int8" in PATHS, reason="the VNNI int8 GEMV is built here: the fallback is not used"
+)
+# built and granted by Linux (ops/gemm_amx._kernel asks for the tile state)
+needs_amx = pytest.mark.skipif(
+    gemm_amx._kernel() is None,
+    reason=_WHY.format("AMX-BF16 GEMM (or Linux refused its tiles)", "AMX-BF16"),
+)
