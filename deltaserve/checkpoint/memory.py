@@ -2,7 +2,7 @@
 
 Decode streams every weight once per token; on 4 KiB pages that is a TLB miss every 4 KiB. Advised
 before the checkpoint is copied in, the weights land on 2 MiB pages: 0.8B bf16 decode measured
-~9.0 -> ~9.9 tok/s on the 2-core Xeon (BENCHMARKS.md).
+~9.0 -> ~9.9 tok/s on the 2-core Xeon (docs/journal/2026-11-29-issue-2-cpu-engine.md).
 """
 
 from __future__ import annotations

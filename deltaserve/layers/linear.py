@@ -23,7 +23,8 @@ from deltaserve.ops.gemv_prologue import Prologue, apply_ref
 WIDEN_MIN_ROWS = 4
 # bf16 weights on CPU: up to this many rows (a decode batch) one native pass streams the weight once
 # for all rows (ops/gemv.gemm_small); above it (prefill chunks) widening + the fp32 GEMM wins.
-# Crossover measured by scripts/cpu/linear_dispatch_bench.py (BENCHMARKS.md, issue 5).
+# Crossover timed on the 2-core Xeon when the kernel landed (8795cea; the timing script was never
+# committed); the batch figures: docs/journal/2026-11-29-issue-5-batching.md.
 SMALL_GEMM_MAX_ROWS = 128
 
 

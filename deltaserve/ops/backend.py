@@ -94,7 +94,8 @@ def pdl_enabled() -> bool:
     """Whether our Triton kernels launch with programmatic dependent launch (sm_90+ GPUs, unless
     DELTASERVE_PDL=0): each kernel may start while its predecessor finishes, runs what reads no
     predecessor output (a GEMV's weight loads) and waits (gdc_wait) before the rest. On the
-    H200 this took batch-1 int8 decode from 1,250 to 1,528 tok/s (BENCHMARKS.md, issue 6)."""
+    H200 this took batch-1 int8 decode from 1,250 to 1,528 tok/s
+    (docs/journal/2026-11-29-issue-6-gpu-decode.md)."""
     return env().pdl and pdl_supported()
 
 

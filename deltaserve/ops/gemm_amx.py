@@ -27,8 +27,8 @@ from deltaserve.env import env
 from deltaserve.ops.native import native_lib
 
 TILE = 32  # row, column and K granularity of the kernel's blocks
-# Below this many rows torch's fp32 GEMM is as fast (measured 2026-11-30 on the 2-core Xeon,
-# scripts/bench_gemm_amx.py: a 1152 x 1152 product at 16 rows ties; the tower runs 64+ rows)
+# Below this many rows torch's fp32 GEMM is as fast (measured 2026-11-30 on the 2-core Xeon with a
+# scratch script, never committed: a 1152 x 1152 product at 16 rows ties; the tower runs 64+ rows)
 MIN_ROWS = 32
 
 

@@ -257,7 +257,8 @@ TUNED.update({
 # 32 x 512 tiles, from the full sweep on fp16 scales (`qgemv_tune.py --formats int4 --shapes
 # 248320x1024 --magic 2,4 --half-scales`, docs/benchmarks/2026-12-01-h200-c5bc882-qgemv-tune-int4-
 # head-half.json: 51.8 us against 59.2 on fp32 x); in the engine the greedy head's kernels
-# 68.3-69.2 -> 64.7-65.5 us and decode +0.3% in two A/Bs (scripts/gpu/head_probe.py, BENCHMARKS.md).
+# 68.3-69.2 -> 64.7-65.5 us and decode +0.3% in two A/Bs (scripts/gpu/head_probe.py;
+# docs/journal/2026-12-01-issue-4-layer-gemv-target.md).
 TUNED_ARGMAX: dict[tuple[int, int, int, int], Config] = {
     (4, 1024, 16384, _BIG): (32, 512, 2, 1, 4),
 }

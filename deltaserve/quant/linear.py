@@ -28,7 +28,7 @@ from deltaserve.quant.schemes import Scheme, dequantize
 # CPU: up to this many rows (a decode batch) each row takes the packed-code GEMV; above it the weight
 # is dequantized once and the fp32 GEMM runs. Measured on the 0.8B int8 shapes (2 threads): the
 # vocabulary head 8 rows 114 ms vs 658 ms, 16 rows 340 vs 621, 32 rows 515 vs 544; the 7168-row
-# gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (BENCHMARKS.md, issue 5).
+# gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (docs/journal/2026-11-29-issue-5-batching.md).
 CPU_GEMV_MAX_ROWS = 16
 # In steps without prefill chunks (ops/norm.native_rows) int8 and 4-bit affine decode rows go
 # further, up to ops/qgemv.QGEMM_MAX_ROWS, on the multi-row kernels; prefill chunks keep the limit

@@ -15,7 +15,8 @@
 #define COLS 32   // output columns per block: two 16-column B tiles
 #define KSTEP 32  // bf16 per tile row (64 bytes)
 // bytes of A parts per row chunk: the chunk stays in L2 while every column panel passes (a sweep
-// of 256K..4M on the 2-core Xeon, scripts/bench_gemm_amx.py: 512K-1M best on the tower's shapes)
+// of 256K..4M on the 2-core Xeon with a scratch script, never committed: 512K-1M best on the
+// tower's shapes; docs/journal/2026-11-30-issue-8-vision.md)
 #define CHUNK_BYTES (512L << 10)
 
 // Linux grants the tile-data state only on request, once per process; 1 if granted.
