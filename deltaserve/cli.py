@@ -8,41 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from deltaserve.engine.args import EngineArgs
 from deltaserve.errors import DeltaserveError
-
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
-
-
-def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
-    p.add_argument(
-        "--model",
-        "-m",
-        default=None,
-        help="checkpoint folder or hub id (default: the embedded default model)",
-    )
-    p.add_argument("--dtype", choices=DTYPES, default=dtype_default, help="weight dtype")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    p.add_argument("--gpu-backend", choices=["auto", "triton", "portable"], default=None,
-                   help="CUDA kernels: triton (sm_80+) or portable torch/cuBLAS (default: auto; "
-                   "same as DELTASERVE_GPU_BACKEND)")
-
-
-def _tp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallelism over N processes (started here, or by torchrun); "
-                   "gloo on cpu, NCCL on cuda (one GPU each)")
-    p.add_argument("--tp-compress", choices=["fp16", "bf16"], default=None,
-                   help="16-bit transport of the FFN reductions, dynamically scaled (same as "
-                   "DELTASERVE_TP_COMPRESS)")
-
-
-def _pp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", type=int, default=1,
-                   help="pipeline parallelism: N processes, each a contiguous range of layers "
-                   "(started like --tp; not combined with it)")
-    p.add_argument("--pp-layers", default=None, metavar="N1,N2,...",
-                   help="layers per pipeline rank, e.g. 10,14 (default: an even split)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -61,17 +28,6 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["ngram", "mtp"], default=None,
-                   help="speculative decoding for greedy requests: n-gram prompt lookup or the "
-                   "checkpoint's MTP block (default: off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts verified per step (default 4)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", "
-                   "\"prompt_lookup_max\": 4}' (--speculative and --num-speculative-tokens win)")
-
-
 def _image_args(p: argparse.ArgumentParser, how: str) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help=f"an image file for a vision model (repeatable); {how}")
@@ -83,15 +39,26 @@ def _image_args(p: argparse.ArgumentParser, how: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _parser_generate(sub)
+    _parser_chat(sub)
+    _parser_make_checkpoint(sub)
+    _parser_validate(sub)
+    _parser_bench(sub)
+    _parser_serve(sub)
+    _parser_quantize(sub)
+    _parser_import_gguf(sub)
+    _parser_gate(sub)
+    _parser_trace(sub)
+    _parser_needle(sub)
+    return parser
+
+
+def _parser_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="complete a raw prompt")
-    _model_args(gen)
     gen.add_argument(
         "--prompt", "-p", default=None, help="prompt text ('-' or omitted: read stdin)"
     )
     _sampling_args(gen, 128)
-    _tp_args(gen)
-    _pp_args(gen)
-    _spec_args(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the text"
     )
@@ -99,12 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
                 "text, unless it already holds one <|image_pad|> per image")
     gen.add_argument("--no-think", action="store_true",
                      help="with --image: disable Qwen3.5 thinking mode in the chat template")
+    EngineArgs.add_cli_args(gen, ("model", "tp", "pp", "speculative"))
+
+
+def _parser_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="interactive chat with the checkpoint's template")
-    _model_args(chat)
     _sampling_args(chat, 1024)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--no-think", action="store_true", help="disable Qwen3.5 thinking mode")
     _image_args(chat, "attached to the first message; '/image PATH' attaches one to the next")
+    EngineArgs.add_cli_args(chat, ("model",))
+
+
+def _parser_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     make = sub.add_parser(
         "make-checkpoint", help="write a synthetic checkpoint of a real model's shape"
     )
@@ -112,17 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dry-run", action="store_true", help="only print tensor count and bytes")
     make.add_argument("out", nargs="?", default=None)
+
+
+def _parser_validate(sub: argparse._SubParsersAction) -> None:
     val = sub.add_parser("validate", help="compare logits and greedy tokens with transformers")
-    _model_args(val, dtype_default="float32")
     val.add_argument("--prompt-len", type=int, default=64)
     val.add_argument("--num-tokens", type=int, default=32)
     val.add_argument("--seed", type=int, default=0)
     val.add_argument("--tolerance", type=float, default=None, help="max logits rel-L2")
+    EngineArgs.add_cli_args(val, ("model",), dtype_default="float32")
+
+
+def _parser_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="prefill/decode tokens/s, ours and transformers in one run ('bench serve "
         "--help': load against a running server)"
     )
-    _model_args(bench, dtype_default="bfloat16")
     bench.add_argument("--prefill-lens", default=None,
                        help="default 512,2048 on CPU; 2048,5120,8192,10240,32768 on GPU")
     bench.add_argument("--decode-tokens", type=int, default=128)
@@ -142,12 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stop-temp", type=float, default=85.0,
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
-    _tp_args(bench)
-    _pp_args(bench)
+    EngineArgs.add_cli_args(bench, ("model", "tp", "pp"), dtype_default="bfloat16")
+
+
+def _parser_serve(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
-    _model_args(sv)
-    _spec_args(sv)
-    _tp_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None,
@@ -155,26 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "endpoint but /health and /v1/models")
     sv.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: the checkpoint folder's name)")
-    sv.add_argument("--max-num-seqs", type=int, default=64)
-    sv.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="per-step token budget, the longest prefill chunk (default: 8192 on "
-                         "CUDA unless its scratch would shorten the KV cache, else 2048)")
-    sv.add_argument("--prefix-snapshots", default="sparse", choices=["sparse", "grid"],
-                    help="where prompts keep prefix-cache snapshots: their end and where they "
-                         "branch from an earlier prompt (default), or every 64 tokens")
-    sv.add_argument("--max-queue", type=int, default=256,
-                    help="requests waiting for a slot before new ones get 503")
     sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,
                     help="serve a quantized copy of a float checkpoint (converted once into the "
                          "cache folder, reused on later starts)")
-    sv.add_argument("--max-images", type=int, default=8,
-                    help="images per request (vision models; more gets a 400)")
-    sv.add_argument("--max-visual-tokens", type=int, default=4096,
-                    help="visual tokens per request (640 for one 9-slice image in 16x mode)")
-    sv.add_argument("--max-image-mb", type=float, default=20.0,
-                    help="encoded bytes per image, in MiB")
-    sv.add_argument("--max-image-mpx", type=float, default=40.0,
-                    help="decoded pixels per image, in megapixels (checked before decoding)")
     sv.add_argument("--max-body-mb", type=float, default=32.0,
                     help="request body limit in MiB (images travel as base64 data: URLs)")
     sv.add_argument("--idle-unload-min", type=float, default=5.0,
@@ -189,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before "
                          "they are ended with an error (a second signal exits at once)")
+    EngineArgs.add_cli_args(sv, ("model", "tp", "speculative", "batching", "images"))
+
+
+def _parser_quantize(sub: argparse._SubParsersAction) -> None:
     qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (int8, int4, q1)")
     qz.add_argument("--model", "-m", default=None, help="float checkpoint (default: the embedded model)")
     qz.add_argument("--format", required=True, choices=["int8", "int4", "q1"])
@@ -204,17 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calibration-tokens", type=int, default=4096,
                     help="tokens of the calibration text used (default 4096)")
     qz.add_argument("out", help="output folder (new or empty)")
+
+
+def _parser_import_gguf(sub: argparse._SubParsersAction) -> None:
     gg = sub.add_parser("import-gguf", help="convert a qwen35 GGUF file into a checkpoint folder")
     gg.add_argument("gguf", help="the .gguf file")
     gg.add_argument("out", help="output folder")
     gg.add_argument("--tokenizer-from", default=None, help="folder with the model's tokenizer.json")
+
+
+def _parser_gate(sub: argparse._SubParsersAction) -> None:
     gate = sub.add_parser("gate", help="quality gate: model A against model B on natural prompts")
-    _model_args(gate, dtype_default="float32")
     gate.add_argument("--against", default=None, help="the reference model (default: embedded)")
     gate.add_argument("--against-dtype", default=None, help="its dtype (default: --dtype)")
     gate.add_argument("--prompts", default=None, help="prompts JSON (default: the built-in set)")
     gate.add_argument("--thresholds", default="quantized", help="quantized, exact, or a JSON file")
     gate.add_argument("--out", default=None, help="write the JSON record here too")
+    EngineArgs.add_cli_args(gate, ("model",), dtype_default="float32")
+
+
+def _parser_trace(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("trace", help="MiniCPM-V vision path vs transformers, stage by stage")
     tr.add_argument("--model", "-m", required=True, help="MiniCPM-V-4.6 checkpoint folder")
     tr.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("H", "W"),
@@ -225,13 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mode", choices=["16x", "4x"], default="16x")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=None, help="write the rows as JSON here too")
+
+
+def _parser_needle(sub: argparse._SubParsersAction) -> None:
     hay = sub.add_parser("needle", help="needle-in-a-haystack retrieval rate (greedy, our engine)")
-    _model_args(hay, dtype_default="float32")
     hay.add_argument("--lengths", default="2048,8192", help="context lengths in tokens")
     hay.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     hay.add_argument("--keys", type=int, default=3, help="fresh keys per (length, depth)")
     hay.add_argument("--out", default=None, help="write the JSON record here too")
-    return parser
+    EngineArgs.add_cli_args(hay, ("model",), dtype_default="float32")
 
 
 def _quantize(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import json
 import resource
 import sys
 
+from deltaserve.engine.args import EngineArgs
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import RequestError
@@ -15,16 +16,7 @@ from deltaserve.multimodal.processor import IMAGE_PAD
 
 
 def _load(args: argparse.Namespace) -> LLM:
-    from deltaserve.spec.config import from_cli
-
-    spec = from_cli(getattr(args, "speculative", None),
-                    getattr(args, "num_speculative_tokens", None),
-                    getattr(args, "speculative_config", None))  # chat has no such flags
-    from deltaserve.distributed.pipeline import parse_split
-
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec, pipeline_parallel_size=getattr(args, "pp", 1),
-              layer_split=parse_split(getattr(args, "pp_layers", None)))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     note = " (the embedded default: a 19M-parameter Python-code model)" if llm.is_default_model else ""
     print(
         f"deltaserve: loaded {llm.model_dir} ({llm.model.dtype}, {args.device}) in {llm.load_s:.1f} s{note}",

@@ -119,7 +119,9 @@ def verdict(rows: list[dict], th: dict) -> list[str]:
 
 
 def run_gate(args: argparse.Namespace) -> int:
-    from deltaserve import LLM
+    from dataclasses import replace
+
+    from deltaserve import LLM, EngineArgs
     from deltaserve.checkpoint.default import default_model_dir
     from deltaserve.checkpoint.hub import resolve_model_dir
 
@@ -130,8 +132,10 @@ def run_gate(args: argparse.Namespace) -> int:
         raise ConfigError("the gate prompts file holds no prompts")
     dirs = {k: default_model_dir() if v is None else resolve_model_dir(v)
             for k, v in (("a", args.model), ("b", args.against))}
-    a = LLM(dirs["a"], dtype=args.dtype, device=args.device)
-    b = LLM(dirs["b"], dtype=args.against_dtype or args.dtype, device=args.device)
+    engine_args = EngineArgs.from_cli_args(args)
+    a = LLM.from_engine_args(replace(engine_args, model=dirs["a"]))
+    b = LLM.from_engine_args(replace(engine_args, model=dirs["b"],
+                                     dtype=args.against_dtype or args.dtype))
     rows = []
     for p in prompts:
         rows.append(gate_prompt(a, b, p))

@@ -24,7 +24,9 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def run_needle(args: argparse.Namespace) -> int:
-    from deltaserve import LLM, SamplingParams
+    from dataclasses import replace
+
+    from deltaserve import LLM, EngineArgs, SamplingParams
     from deltaserve.checkpoint.default import default_model_dir
     from deltaserve.checkpoint.hub import resolve_model_dir
 
@@ -40,7 +42,7 @@ def run_needle(args: argparse.Namespace) -> int:
     filler = needle.heldout_filler(
         manifest if manifest.exists() else default_model_dir() / "manifest.json"
     )
-    llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM.from_engine_args(replace(EngineArgs.from_cli_args(args), model=model_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS, ignore_eos=True)
     cells, t0 = [], time.perf_counter()
     for context_len in lengths:

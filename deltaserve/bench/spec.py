@@ -36,12 +36,15 @@ def workloads(max_prompt_chars: int = 1500) -> dict[str, list[str]]:
 def _engine(llm, spec):
     """An engine with or without drafts; the chunk budget resolved once, not from each engine's
     free memory (compared engines must differ only in speculation)."""
+    from dataclasses import replace
+
     from deltaserve.engine.llm import DEFAULT_BATCHED_TOKENS, build_engine
 
-    args = dict(llm.engine_args, speculative=spec)
-    if args["max_num_batched_tokens"] is None:
-        args["max_num_batched_tokens"] = DEFAULT_BATCHED_TOKENS[llm.model.device.type == "cuda"]
-    return build_engine(llm, **args)
+    budget = llm.engine_args.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_BATCHED_TOKENS[llm.model.device.type == "cuda"]
+    return build_engine(llm, replace(llm.engine_args, speculative_config=spec,
+                                     max_num_batched_tokens=budget))
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int,

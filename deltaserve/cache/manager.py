@@ -11,18 +11,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.cache.batch import SNAP_GRID
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.cache.prefix import PrefixCache
 
 PREFIX_SNAPSHOTS = ("sparse", "grid")  # CacheConfig.prefix_snapshots: cache/prefix.py
+# the finest snapshot grid: fla's GDN scan chunk, so a snapshot falls on a chunk boundary
+PREFIX_GRANULARITY = SNAP_GRID
+# tokens per KV block: the largest block that still ends at every grid position, so a prefix hit
+# shares whole blocks (none copied) with the fewest block-table entries per sequence
+KV_BLOCK_LEN = PREFIX_GRANULARITY
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     num_slots: int = 8
     num_blocks: int = 512
-    block_len: int = 64
-    prefix_granularity: int = 64  # snapshot grid; a multiple of block_len and of the GDN scan chunk
+    block_len: int = KV_BLOCK_LEN
+    # snapshot grid; a multiple of block_len and of the GDN scan chunk
+    prefix_granularity: int = PREFIX_GRANULARITY
     prefix_budget_bytes: int = 1 << 30  # 0 disables the prefix cache
     kv_dtype: torch.dtype | None = None  # None: the activation dtype
     # which grid positions a prompt snapshots: "sparse" (its end and where it branches from an
@@ -30,9 +37,9 @@ class CacheConfig:
     prefix_snapshots: str = "sparse"
 
     def __post_init__(self) -> None:
-        if self.prefix_granularity % 64 or self.prefix_granularity % self.block_len:
+        if self.prefix_granularity % SNAP_GRID or self.prefix_granularity % self.block_len:
             raise ValueError(
-                f"prefix_granularity must be a multiple of 64 (the GDN scan chunk) and of "
+                f"prefix_granularity must be a multiple of {SNAP_GRID} (the GDN scan chunk) and of "
                 f"block_len={self.block_len}, got {self.prefix_granularity}"
             )
         if self.prefix_snapshots not in PREFIX_SNAPSHOTS:

@@ -5,69 +5,43 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deltaserve.cache.manager import PREFIX_SNAPSHOTS
 from deltaserve.checkpoint.hub import resolve_model_dir
 from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.reader import read_json
+from deltaserve.engine.args import EngineArgs
 from deltaserve.engine.engine import Engine, EngineConfig
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput, StreamEvent
 from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
-from deltaserve.errors import CapacityError, ConfigError, RequestError
+from deltaserve.errors import CapacityError, RequestError
 from deltaserve.multimodal.config import VISION_MODEL_TYPES
 from deltaserve.multimodal.inputs import ImageLimits
-from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        revision: str | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        prefix_cache_bytes: int = 1 << 30,
-        prefix_snapshots: str = "sparse",
-        kv_cache_bytes: int = 4 << 30,
-        greedy_head: bool = False,
-        kv_cache_dtype: str = "auto",
-        max_waiting: int = 256,
-        tensor_parallel_size: int | None = None,
-        pipeline_parallel_size: int = 1,
-        layer_split: tuple[int, ...] | None = None,
-        image_limits: ImageLimits | None = None,
-        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-    ) -> None:
-        """tensor_parallel_size: ranks sharing the model (every rank runs this same program);
-        None = the world size of a torchrun (or `deltaserve --tp`) launch, else 1.
-        pipeline_parallel_size: ranks each holding a contiguous range of layers (distributed/
-        pipeline.py); layer_split: layers per rank, e.g. (10, 14) (default: even). Not combined
-        with tensor parallelism; the prefix cache is off under it (each stage would cache its own
-        bytes, and every rank's scheduler must see the same hits).
-        max_num_batched_tokens: the per-step token budget (the longest prefill chunk); None = 8192 on
-        CUDA (a shorter chunk behind cached keys is bound by host time there: 2,048-token chunks ran
-        at ~60k tok/s on the H200, 8,192-token ones at ~150k) unless its scratch would cut the KV
-        cache that 2048 leaves, then 2048 (under TP or PP always 8192: every rank must agree);
-        2048 on CPU. A decode row waits for the step's prefill
-        chunk: longer chunks mean longer pauses between tokens while prompts prefill.
-        prefix_snapshots: where prompts keep prefix-cache snapshots: "sparse" (a prompt's end and
-        where it branches from an earlier prompt) or "grid" (every 64 tokens; cache/prefix.py).
-        speculative_config: vLLM's dict ({"method": "ngram" | "mtp", "num_speculative_tokens": k,
-        "prompt_lookup_max": n, "prompt_lookup_min": m}, plus spec.config's own keys); None = off."""
-        speculative = SpeculativeConfig.from_value(speculative_config)
+    def __init__(self, model: str | Path | None = None, *, engine_args: EngineArgs | None = None,
+                 **kwargs: Any) -> None:
+        """LLM(model, **options) with EngineArgs' field names (dtype="bfloat16", max_num_seqs=8,
+        ...; an unknown one is a TypeError), or LLM(engine_args=EngineArgs(...))."""
+        if engine_args is None:
+            unknown = sorted(set(kwargs) - {f.name for f in fields(EngineArgs)})
+            if unknown:
+                raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
+            engine_args = EngineArgs(model=model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError("LLM() takes engine_args or the options as keywords, not both")
+        self.engine_args = args = engine_args
         from deltaserve.checkpoint.default import default_model_dir
         from deltaserve.distributed.group import init_tp
         from deltaserve.distributed.pipeline import init_pp
@@ -76,53 +50,40 @@ class LLM:
         threads = env().num_threads
         if threads > 0:
             torch.set_num_threads(threads)
-        self.model_dir = (
-            default_model_dir() if model is None else resolve_model_dir(model, revision)
-        )
-        self.is_default_model = model is None
+        self.model_dir = (default_model_dir() if args.model is None
+                          else resolve_model_dir(args.model, args.revision))
+        self.is_default_model = args.model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
-        self.pp, device = init_pp(pipeline_parallel_size, device, layer_split,
-                                  tensor_parallel_size)
+        self.pp, device = init_pp(args.pipeline_parallel_size, args.device, args.layer_split,
+                                  args.tensor_parallel_size)
         self.tp = None
         if self.pp is None:
-            self.tp, device = init_tp(tensor_parallel_size, device)
-        else:
-            prefix_cache_bytes = 0
-            if speculative is not None and speculative.method == "mtp":
-                raise ConfigError("speculative method 'mtp' is not supported with pipeline "
-                                   "parallelism (its drafter reads the last stage's hidden states)")
-        self.model, self.config, self.raw_config = load_text_model(self.model_dir, dtype, device,
-                                                                   self.tp, self.pp)
+            self.tp, device = init_tp(args.tensor_parallel_size, device)
+        self.model, self.config, self.raw_config = load_text_model(self.model_dir, args.dtype,
+                                                                   device, self.tp, self.pp)
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
-        if max_model_len is not None and not 0 < max_model_len <= limit:
+        if args.max_model_len is not None and not 0 < args.max_model_len <= limit:
             raise RequestError(
-                f"max_model_len must be in 1..{limit} for this model, got {max_model_len}"
+                f"max_model_len must be in 1..{limit} for this model, got {args.max_model_len}"
             )
-        self.max_model_len = max_model_len or limit
-        self.images = load_image_prompts(self, image_limits or ImageLimits()) if (
+        self.max_model_len = args.max_model_len or limit
+        self.images = load_image_prompts(self, args.image_limits) if (
             self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
         self.generation_config = self._generation_config()
-        if prefix_snapshots not in PREFIX_SNAPSHOTS:  # (before the engine, which is built lazily)
-            raise RequestError(f"prefix_snapshots must be one of {', '.join(PREFIX_SNAPSHOTS)}, "
-                               f"got {prefix_snapshots!r}")
-        if kv_cache_dtype not in KV_DTYPES:
-            raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got "
-                               f"{kv_cache_dtype!r}")
-        self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                prefix_cache_bytes=prefix_cache_bytes,
-                                prefix_snapshots=prefix_snapshots, kv_cache_bytes=kv_cache_bytes,
-                                greedy_head=greedy_head, kv_cache_dtype=kv_cache_dtype,
-                                max_waiting=max_waiting, speculative=speculative)
         self._engine: Engine | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(engine_args=engine_args)
 
     @property
     def engine(self) -> Engine:
         """The batched engine (pools allocated on first use, kept: the prefix cache persists)."""
         if self._engine is None:
-            self._engine = build_engine(self, **self.engine_args)
+            self._engine = build_engine(self, self.engine_args)
         return self._engine
 
     def drop_engine(self) -> None:
@@ -336,49 +297,54 @@ def _default_batched_tokens(device: torch.device, plan_for, ranks_agree: bool = 
     return (large, planned) if planned[0] >= fallback[0] else (small, fallback)
 
 
-KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}
-
-
-def build_engine(llm: LLM, max_num_seqs: int, max_num_batched_tokens: int | None,
-                 prefix_cache_bytes: int, kv_cache_bytes: int, greedy_head: bool = False,
-                 kv_cache_dtype: str = "auto", max_waiting: int = 256,
-                 speculative: SpeculativeConfig | None = None,
-                 prefix_snapshots: str = "sparse") -> Engine:
+def build_engine(llm: LLM, args: EngineArgs) -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
-    from deltaserve.cache.manager import CacheConfig
-    from deltaserve.cache.memory import plan
+    from deltaserve.cache.manager import KV_BLOCK_LEN, PREFIX_GRANULARITY, CacheConfig
     from deltaserve.checkpoint.fingerprint import model_fingerprint
-    from deltaserve.engine.prefill_graph import graph_scratch_bytes
-
-    kv_dtype = KV_DTYPES[kv_cache_dtype]  # checked by LLM.__init__
-
-    def plan_for(batched_tokens: int):
-        return plan(llm.model, llm.max_model_len, max_num_seqs, kv_cache_bytes, 64, batched_tokens,
-                    kv_dtype, 0 if speculative is not None and speculative.method == "mtp"
-                    else graph_scratch_bytes(llm.model, batched_tokens, 64))
-
-    stage = getattr(llm.model, "pp", None)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens, (num_blocks, report) = _default_batched_tokens(
-            llm.model.device, plan_for, ranks_agree=stage is None and llm.tp is None)
-    else:
-        num_blocks, report = plan_for(max_num_batched_tokens)
-    if stage is not None:  # every rank's scheduler must see the same KV capacity
-        num_blocks = stage.agree_min(num_blocks)
-    cache = CacheConfig(max_num_seqs, num_blocks, 64, 64, prefix_cache_bytes, kv_dtype,
-                        prefix_snapshots)
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_prefill_chunk=max_num_batched_tokens, max_waiting=max_waiting)
     from deltaserve.distributed.group import tag
 
+    kv_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+    stage = getattr(llm.model, "pp", None)
+    batched_tokens, (num_blocks, report) = _plan(llm, args, kv_dtype,
+                                                 ranks_agree=stage is None and llm.tp is None)
+    if stage is not None:  # every rank's scheduler must see the same KV capacity
+        num_blocks = stage.agree_min(num_blocks)
+    cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=num_blocks,
+                        block_len=KV_BLOCK_LEN, prefix_granularity=PREFIX_GRANULARITY,
+                        # off under PP: each stage would cache its own bytes, and every rank's
+                        # scheduler must see the same hits
+                        prefix_budget_bytes=0 if stage is not None else args.prefix_cache_bytes,
+                        kv_dtype=kv_dtype, prefix_snapshots=args.prefix_snapshots)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens,
+                            max_prefill_chunk=batched_tokens, max_waiting=args.max_waiting)
     stage_tag = stage.plan.tag() if stage is not None else ""
     fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}/"
                                     f"{kv_dtype}{tag(llm.tp)}{stage_tag}")
     overlap = env().overlap if env().overlap is not None else llm.model.device.type == "cuda"
     overlap = overlap and stage is None  # a pipeline step is synchronous (send/recv, broadcast)
-    engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len,
-                    EngineConfig(sched, cache, greedy_head, overlap, speculative), fingerprint,
-                    llm.model_dir)
+    config = EngineConfig(scheduler=sched, cache=cache, greedy_head=args.greedy_head,
+                          overlap=overlap, speculative=args.speculative_config)
+    engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, config,
+                    fingerprint, llm.model_dir)
     engine.memory_report = report
     return engine
+
+
+def _plan(llm: LLM, args: EngineArgs, kv_dtype: torch.dtype | None, ranks_agree: bool
+          ) -> tuple[int, tuple]:
+    """(the step's token budget, cache/memory.plan's (KV blocks, report) for it)."""
+    from deltaserve.cache.manager import KV_BLOCK_LEN
+    from deltaserve.cache.memory import plan
+    from deltaserve.engine.prefill_graph import graph_scratch_bytes
+
+    mtp = args.speculative_config is not None and args.speculative_config.method == "mtp"
+
+    def plan_for(batched_tokens: int):
+        graph_bytes = 0 if mtp else graph_scratch_bytes(llm.model, batched_tokens, KV_BLOCK_LEN)
+        return plan(llm.model, llm.max_model_len, num_slots=args.max_num_seqs,
+                    kv_cache_bytes=args.kv_cache_bytes, block_len=KV_BLOCK_LEN,
+                    max_batched_tokens=batched_tokens, kv_dtype=kv_dtype, graph_bytes=graph_bytes)
+
+    if args.max_num_batched_tokens is None:
+        return _default_batched_tokens(llm.model.device, plan_for, ranks_agree)
+    return args.max_num_batched_tokens, plan_for(args.max_num_batched_tokens)

@@ -11,7 +11,9 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 
+from deltaserve.engine.args import EngineArgs
 from deltaserve.errors import ConfigError
 
 
@@ -30,6 +32,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--max-prompt-chars must be positive")
     if args.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout must be >= 0")
+    if args.max_body_mb <= 0:
+        raise ConfigError("--max-body-mb must be positive")
 
 
 def _server_log() -> None:
@@ -53,26 +57,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from deltaserve.server.shutdown import DrainingServer
 
     _check_args(args)
+    engine_args = EngineArgs.from_cli_args(args)  # every engine flag checked before the port opens
     _server_log()
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     read_config(model_dir)  # a missing or broken config.json fails here, before the port opens
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
     name = args.served_model_name or model_dir.name
-    limits = image_limits(args)
-    from deltaserve.spec.config import from_cli
-
-    spec = from_cli(args.speculative, args.num_speculative_tokens, args.speculative_config)
     failed: list[str] = []
     mirror = _join_ranks(args)
 
     def build(path):
         from deltaserve.engine.llm import LLM
 
-        return LLM(path, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_queue,
-                   prefix_snapshots=args.prefix_snapshots, image_limits=limits,
-                   speculative_config=spec)  # TP: the launch's size (== --tp)
+        return LLM.from_engine_args(replace(engine_args, model=path))
 
     if mirror is not None and not mirror.is_first:
         from deltaserve.distributed.serve import follow
@@ -151,14 +148,3 @@ def _join_ranks(args: argparse.Namespace):
     group, _ = init_group(args.tp, args.device)
     return Mirror(group.rank, group.world_size)
 
-
-def image_limits(args: argparse.Namespace):
-    from deltaserve.multimodal.inputs import ImageLimits
-
-    values = (args.max_images, args.max_visual_tokens, args.max_image_mb, args.max_image_mpx,
-              args.max_body_mb)
-    if min(values) <= 0:
-        raise ConfigError("--max-images, --max-visual-tokens, --max-image-mb, --max-image-mpx "
-                          "and --max-body-mb must be positive")
-    return ImageLimits(args.max_images, int(args.max_image_mb * 2**20),
-                       int(args.max_image_mpx * 1e6), args.max_visual_tokens)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from deltaserve.engine.args import EngineArgs
 from deltaserve.engine.llm import LLM
 from deltaserve.validate.reference import load_reference
 
@@ -56,7 +57,8 @@ def compare(llm: LLM, reference, prompt_ids: list[int], num_tokens: int) -> Comp
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, dtype=args.dtype, device="cpu")
+    # on cpu whatever --device says: the reference runs there
+    llm = LLM.from_engine_args(replace(EngineArgs.from_cli_args(args), device="cpu"))
     dtype = str(llm.model.dtype).removeprefix("torch.")
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(args.seed)

@@ -13,7 +13,8 @@ MiB = 1 << 20
 
 def test_unit_bytes_match_the_pools_built(tiny_llm) -> None:
     per_slot, per_block = unit_bytes(tiny_llm.model, 16)
-    manager = CacheManager(tiny_llm.model, CacheConfig(2, 3, 16, 64, 0), "x")
+    config = CacheConfig(num_slots=2, num_blocks=3, block_len=16, prefix_budget_bytes=0)
+    manager = CacheManager(tiny_llm.model, config, "x")
     assert per_slot == manager.states.bytes_per_slot() > 0
     assert per_block == manager.kv.bytes_per_block() > 0
 

@@ -19,7 +19,8 @@ def make_engine(llm, spec=None, num_slots=4, num_blocks=96, block_len=16, prefix
     """An engine on llm's model; spec: a SpeculativeConfig (None: off)."""
     cfg = EngineConfig(SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget,
                                        max_prefill_chunk=budget),
-                       CacheConfig(num_slots, num_blocks, block_len, 64, prefix_bytes),
+                       CacheConfig(num_slots=num_slots, num_blocks=num_blocks, block_len=block_len,
+                                   prefix_budget_bytes=prefix_bytes),
                        speculative=spec)
     return Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, cfg, "spec",
                   llm.model_dir)

@@ -1,0 +1,215 @@
+"""EngineArgs: every engine option once, for `LLM`, the command line and `serve` (vLLM's shape:
+`EngineArgs.add_cli_args(parser)` adds the flags, `EngineArgs.from_cli_args(namespace)` reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltaserve.cache.manager import PREFIX_SNAPSHOTS
+from deltaserve.errors import ConfigError, RequestError
+from deltaserve.multimodal.inputs import ImageLimits
+from deltaserve.spec.config import SpeculativeConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype and --kv-cache-dtype
+GPU_BACKENDS = ("auto", "triton", "portable")  # --gpu-backend (DELTASERVE_GPU_BACKEND, env.py)
+# the flag groups a command can take: "model" (which checkpoint, where, how long a context), "tp",
+# "pp", "speculative", "batching" (slots, step budget, queue, caches) and "images" (limits)
+CLI_GROUPS = ("model", "tp", "pp", "speculative", "batching", "images")
+MIB, MPX = 2**20, 1e6  # --max-image-mb and --max-image-mpx units
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """How to load a model and size its engine.
+
+    max_num_batched_tokens None: 8192 on CUDA (a shorter chunk behind cached keys is bound by host
+    time there: 2,048-token chunks ran at ~60k tok/s on the H200, 8,192-token ones at ~150k) unless
+    its scratch would cut the KV cache that 2048 leaves, then 2048 (under TP or PP always 8192:
+    every rank must agree); 2048 on CPU (engine/llm.DEFAULT_BATCHED_TOKENS). A decode row waits
+    for the step's prefill chunk: longer chunks mean longer pauses between tokens.
+    Pipeline parallelism is not combined with tensor parallelism; the prefix cache is off under it
+    (each stage would cache its own bytes, and every rank's scheduler must see the same hits).
+    """
+
+    model: str | Path | None = None  # checkpoint folder or hub id; None = the embedded default
+    revision: str | None = None  # hub revision (branch, tag or commit) of a hub id
+    dtype: str = "auto"  # weight dtype, one of DTYPES; auto = the checkpoint's
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
+    max_model_len: int | None = None  # context limit in tokens; None = the model's own
+    max_num_seqs: int = 64  # sequences in flight together (a recurrent-state slot each)
+    max_num_batched_tokens: int | None = None  # per-step token budget = longest prefill chunk
+    max_waiting: int = 256  # requests queued for a slot before more are refused (serve: 503)
+    prefix_cache_bytes: int = 1 << 30  # prefix-snapshot cache budget; 0 = no prefix cache
+    prefix_snapshots: str = "sparse"  # sparse: a prompt's end and branch points; grid: every 64
+    kv_cache_bytes: int = 4 << 30  # KV pool cap (also cut to the device's free memory)
+    kv_cache_dtype: str = "auto"  # K/V pool dtype, one of DTYPES; auto = the activation dtype
+    greedy_head: bool = False  # argmax-only head: logits never exist, sampling is refused
+    tensor_parallel_size: int | None = None  # ranks per layer; None = the launch's world size
+    pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of layers
+    layer_split: tuple[int, ...] | None = None  # layers per pipeline rank, e.g. (10, 14); None = even
+    image_limits: ImageLimits = ImageLimits()  # per-request image bounds (vision models)
+    # draft-and-verify decoding (vLLM's dict, a method name or a SpeculativeConfig); None = off
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        # the looser forms LLM has always accepted, each stored as its one type
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_value(self.speculative_config))
+        if self.image_limits is None:
+            object.__setattr__(self, "image_limits", ImageLimits())
+        if self.layer_split is not None:
+            object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
+        if self.prefix_snapshots not in PREFIX_SNAPSHOTS:
+            raise RequestError(f"prefix_snapshots must be one of {', '.join(PREFIX_SNAPSHOTS)}, "
+                               f"got {self.prefix_snapshots!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise RequestError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got "
+                               f"{self.kv_cache_dtype!r}")
+        spec = self.speculative_config
+        if self.pipeline_parallel_size != 1 and spec is not None and spec.method == "mtp":
+            raise ConfigError("speculative method 'mtp' is not supported with pipeline "
+                              "parallelism (its drafter reads the last stage's hidden states)")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, groups: Iterable[str] = CLI_GROUPS,
+                     dtype_default: str = "auto") -> argparse.ArgumentParser:
+        """The flags of `groups` (CLI_GROUPS), vLLM's spellings where vLLM has the option, in one
+        "engine options" section; defaults are the fields'. --gpu-backend and --tp-compress set
+        their DELTASERVE_* knob (env.py) instead of a field."""
+        groups = tuple(groups)
+        unknown = sorted(set(groups) - set(CLI_GROUPS))
+        if unknown:
+            raise ValueError(f"unknown EngineArgs flag groups: {', '.join(unknown)}")
+        section = parser.add_argument_group("engine options")
+        for name in CLI_GROUPS:  # one order in every command's help
+            if name in groups:
+                _FLAGS[name](section, dtype_default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of parsed flags; a group the command does not take keeps its defaults.
+        Bad values (a speculative config, image limits, cache choices) fail here, before any
+        model loads."""
+        from deltaserve.distributed.pipeline import parse_split
+        from deltaserve.spec.config import from_cli
+
+        kwargs: dict[str, Any] = {}
+        for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "prefix_snapshots", "kv_cache_dtype"):
+            if hasattr(args, name):
+                kwargs[name] = getattr(args, name)
+        if hasattr(args, "max_queue"):
+            kwargs["max_waiting"] = args.max_queue
+        if hasattr(args, "tp"):  # --tp 1 (the default) leaves the size to the launch, as LLM's None
+            kwargs["tensor_parallel_size"] = None if args.tp == 1 else args.tp
+        if hasattr(args, "pp"):
+            kwargs["pipeline_parallel_size"] = args.pp
+            kwargs["layer_split"] = parse_split(args.pp_layers)
+        if hasattr(args, "speculative"):
+            kwargs["speculative_config"] = from_cli(args.speculative, args.num_speculative_tokens,
+                                                    args.speculative_config)
+        if hasattr(args, "max_images"):
+            kwargs["image_limits"] = _image_limits(args)
+        return cls(**kwargs)
+
+
+def _image_limits(args: argparse.Namespace) -> ImageLimits:
+    values = (args.max_images, args.max_visual_tokens, args.max_image_mb, args.max_image_mpx)
+    if min(values) <= 0:
+        raise ConfigError("--max-images, --max-visual-tokens, --max-image-mb and --max-image-mpx "
+                          "must be positive")
+    return ImageLimits(max_images=args.max_images,
+                       max_image_bytes=int(args.max_image_mb * MIB),
+                       max_image_pixels=int(args.max_image_mpx * MPX),
+                       max_visual_tokens=args.max_visual_tokens)
+
+
+_DEFAULTS = EngineArgs()
+
+
+def _model_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    p.add_argument("--model", "-m", default=_DEFAULTS.model,
+                   help="checkpoint folder or hub id (default: the embedded default model)")
+    p.add_argument("--dtype", choices=DTYPES, default=dtype_default,
+                   help=f"weight dtype (default {dtype_default}; auto: the checkpoint's)")
+    p.add_argument("--device", default=_DEFAULTS.device,
+                   help=f"torch device (default {_DEFAULTS.device})")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, metavar="N",
+                   help="context limit in tokens (default: the model's)")
+    p.add_argument("--gpu-backend", choices=GPU_BACKENDS, default=None,
+                   help="CUDA kernels: triton (sm_80+) or portable torch/cuBLAS (default: auto; "
+                   "same as DELTASERVE_GPU_BACKEND)")
+
+
+def _tp_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism over N processes (started here, or by torchrun); "
+                   "gloo on cpu, NCCL on cuda (one GPU each)")
+    p.add_argument("--tp-compress", choices=["fp16", "bf16"], default=None,
+                   help="16-bit transport of the FFN reductions, dynamically scaled (same as "
+                   "DELTASERVE_TP_COMPRESS)")
+
+
+def _pp_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int,
+                   default=_DEFAULTS.pipeline_parallel_size, metavar="N",
+                   help="pipeline parallelism: N processes, each a contiguous range of layers "
+                   "(started like --tp; not combined with it)")
+    p.add_argument("--pp-layers", default=None, metavar="N1,N2,...",
+                   help="layers per pipeline rank, e.g. 10,14 (default: an even split)")
+
+
+def _speculative_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    p.add_argument("--speculative", choices=["ngram", "mtp"], default=None,
+                   help="speculative decoding for greedy requests: n-gram prompt lookup or the "
+                   "checkpoint's MTP block (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts verified per step (default "
+                   f"{SpeculativeConfig().num_speculative_tokens})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", "
+                   "\"prompt_lookup_max\": 4}' (--speculative and --num-speculative-tokens win)")
+
+
+def _batching_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    d = _DEFAULTS
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+                   help=f"sequences in flight together, one state slot each (default "
+                   f"{d.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   metavar="N", help="per-step token budget, the longest prefill chunk (default: "
+                   "8192 on CUDA unless its scratch would shorten the KV cache, else 2048)")
+    p.add_argument("--max-queue", type=int, default=d.max_waiting, metavar="N",
+                   help=f"requests waiting for a slot before new ones get 503 (default "
+                   f"{d.max_waiting})")
+    p.add_argument("--prefix-snapshots", default=d.prefix_snapshots, choices=PREFIX_SNAPSHOTS,
+                   help="where prompts keep prefix-cache snapshots: their end and where they "
+                   "branch from an earlier prompt (sparse, default), or every 64 tokens (grid)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=DTYPES,
+                   help="dtype of the attention layers' K/V pool (default auto: the activation "
+                   "dtype)")
+
+
+def _image_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
+    lim = _DEFAULTS.image_limits
+    p.add_argument("--max-images", type=int, default=lim.max_images,
+                   help=f"images per request (vision models; more gets a 400; default "
+                   f"{lim.max_images})")
+    p.add_argument("--max-visual-tokens", type=int, default=lim.max_visual_tokens,
+                   help="visual tokens per request (640 for one 9-slice image in 16x mode; "
+                   f"default {lim.max_visual_tokens})")
+    p.add_argument("--max-image-mb", type=float, default=lim.max_image_bytes / MIB,
+                   help=f"encoded bytes per image, in MiB (default {lim.max_image_bytes / MIB:g})")
+    p.add_argument("--max-image-mpx", type=float, default=lim.max_image_pixels / MPX,
+                   help="decoded pixels per image, in megapixels, checked before decoding "
+                   f"(default {lim.max_image_pixels / MPX:g})")
+
+
+_FLAGS = {"model": _model_flags, "tp": _tp_flags, "pp": _pp_flags,
+          "speculative": _speculative_flags, "batching": _batching_flags, "images": _image_flags}
