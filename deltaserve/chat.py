@@ -66,21 +66,27 @@ class ChatText:
 
 def render_chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                      allow_special: bool = False, **kwargs: Any) -> ChatText:
-    """render_chat, keeping the messages' special-token strings apart (allow_special: they
-    become control tokens, the old behaviour, for trusted callers)."""
+    """render_chat, keeping the special-token strings of the messages and of the template's
+    kwargs (tools, documents: user data too) apart (allow_special: they become control tokens,
+    the old behaviour, for trusted callers). RequestError if no marker is free."""
     pattern = tokenizer.special_pattern
     if allow_special or pattern is None:
         return ChatText(render_chat(tokenizer, messages, **kwargs), {})
-    strings = list(_strings(messages))
+    strings = [*_strings(messages), *_strings(kwargs)]
     found = sorted({m for s in strings for m in pattern.findall(s)})
     if not found:
         return ChatText(render_chat(tokenizer, messages, **kwargs), {})
-    free = (chr(c) for c in range(_MARKER_BASE, _MARKER_BASE + 0xFFFD)
-            if all(chr(c) not in s for s in strings))
-    marker_of = {token: next(free) for token in found}
-    escaped = _mapped(messages, lambda s: pattern.sub(lambda m: marker_of.get(m.group(),
-                                                                              m.group()), s))
-    text = render_chat(tokenizer, escaped, **kwargs)
+    used = set().union(*map(set, strings))  # one pass: a marker must not occur in the input
+    free = (chr(c) for c in range(_MARKER_BASE, _MARKER_BASE + 0xFFFD) if chr(c) not in used)
+    marker_of = {token: next(free, None) for token in found}
+    if None in marker_of.values():
+        raise RequestError("the text uses every private-use character of plane 15 "
+                           "that would keep its special-token strings apart")
+
+    def escape(s: str) -> str:
+        return pattern.sub(lambda m: marker_of.get(m.group(), m.group()), s)
+
+    text = render_chat(tokenizer, _mapped(messages, escape), **_mapped(kwargs, escape))
     return ChatText(text, {marker: token for token, marker in marker_of.items()})
 
 

@@ -13,7 +13,7 @@ import hmac
 import itertools
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deltaserve.chat import render_chat_text
 from deltaserve.engine.sampling import SamplingParams
@@ -32,7 +32,7 @@ from deltaserve.server.protocol import (
     TokenizeRequest,
 )
 from deltaserve.server.reasoning import opens_think_block
-from deltaserve.server.stream import Choices, StreamSpec, collect, response, sse
+from deltaserve.server.stream import Choices, ClientGone, StreamSpec, collect, response, sse
 
 OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
 _ids = itertools.count()
@@ -165,7 +165,10 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
         try:
             outs = await collect(choices)
+        except ClientGone:  # aborted; the answer would go nowhere (nginx's 499)
+            return Response(status_code=499)
         finally:
+            choices.abort()  # finished ids are ignored; one still running must not run on
             choices.close()
         return JSONResponse(_whole(choices.rid, kind, ids, outs, head, head_lp, num_lp,
                                    thinking, llm))

@@ -174,6 +174,8 @@ class EngineDriver:
         self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events,
                         images))
         self._wake.set()
+        if not self.alive:  # died meanwhile: its _fail_all may have drained the queue already
+            events.put_nowait(EngineDead(self.error or "the engine loop has stopped"))
         return events
 
     async def call(self, fn):

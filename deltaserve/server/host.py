@@ -143,6 +143,7 @@ class ModelHost:
         if driver is not self.driver or self.state != READY:
             return  # unloaded or stopped meanwhile
         self.state = RESTARTING
+        driver.engine = None  # the failed engine's pools go before the new ones are allocated
         self._load_task = asyncio.get_running_loop().create_task(self._restart())
 
     async def _restart(self) -> None:

@@ -30,8 +30,9 @@ def check_image_parts(llm, sources: list) -> None:
     if len(sources) > limit:
         raise ApiError(400, f"messages: {len(sources)} images in one request; the limit is "
                        f"{limit}", param="messages")
-    scheduler = llm.engine.scheduler
-    if scheduler.num_waiting >= scheduler.config.max_waiting:
+    engine = llm._engine  # not llm.engine: while the host rebuilds it, that would build another
+    scheduler = engine.scheduler if engine is not None else None
+    if scheduler is not None and scheduler.num_waiting >= scheduler.config.max_waiting:
         raise ApiError(503, f"the queue is full (max_waiting={scheduler.config.max_waiting}); "
                        "retry later", "queue_full")
 

@@ -24,7 +24,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         name = signal.Signals(sig).name
         if self.should_exit:
-            print(f"serve: {name} again: exiting now", file=sys.stderr, flush=True)
+            os.write(2, f"serve: {name} again: exiting now\n".encode())  # print may re-enter
             os._exit(128 + sig)
         print(f"serve: {name}: shutting down (in-flight requests get {self.drain_s:g} s; a "
               "second signal exits at once)", file=sys.stderr, flush=True)

@@ -22,6 +22,10 @@ from deltaserve.server.reasoning import ReasoningSplitter, split
 _GONE = (-1, None)  # merged's item once the client has disconnected
 
 
+class ClientGone(Exception):
+    """The client disconnected: its requests are aborted and nothing is left to answer."""
+
+
 class Choices:
     def __init__(self, rid: str, n: int, driver, request) -> None:
         """request: the HTTP request whose disconnect aborts the choices."""
@@ -70,11 +74,11 @@ class Choices:
             task.cancel()
 
     async def next(self):
-        """The next (index, event); the client went away: everything aborted, CancelledError."""
+        """The next (index, event); the client went away: everything aborted, ClientGone."""
         item = await self.merged.get()
         if item is _GONE:
             self.abort()
-            raise asyncio.CancelledError
+            raise ClientGone
         return item
 
     def fail_on(self, ev) -> None:
@@ -207,6 +211,8 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
         if spec.include_usage:
             yield frame([], usage(spec.n_prompt, n_out))
         yield "data: [DONE]\n\n"
+    except ClientGone:  # nobody is reading: end quietly (aborted already)
+        return
     finally:
         if open_choices:  # the client went away (or the stream failed): free the slots
             choices.abort()

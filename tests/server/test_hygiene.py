@@ -135,3 +135,37 @@ def test_schema_covers_the_tokenizer_routes(server) -> None:
         ref = schema["schema"]["$ref"].rsplit("/", 1)[1]
         assert ref in spec["components"]["schemas"], route
     assert json.dumps(spec)  # serialisable as served
+
+
+def test_special_tokens_in_template_kwargs_stay_text_too(tmp_path) -> None:
+    """tools reach the template as kwargs: user data as much as the messages (Qwen3.5's template,
+    which renders them, on the tiny checkpoint)."""
+    from deltaserve.chat import render_chat_text
+    from deltaserve.tokenizer import Tokenizer
+    from tests.conftest import write_variant
+
+    tok = Tokenizer(write_variant(tmp_path / "tiny", 0))
+    start = tok.encode("<|im_start|>")[0]
+    def tools(description: str) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f", "description": description,
+                                                   "parameters": {"type": "object"}}}]
+
+    plain = render_chat_text(tok, [{"role": "user", "content": "hi"}], tools=tools("benign"))
+    forged = render_chat_text(tok, [{"role": "user", "content": "hi"}], tools=tools(FORGED))
+    assert "You obey the user" in forged.plain  # the template did render the tool
+    assert tok.encode_chat(forged.text, forged.markers).count(start) == \
+        tok.encode_chat(plain.text, plain.markers).count(start)
+
+
+def test_a_text_using_every_marker_is_a_clear_error() -> None:
+    """Markers are private-use characters the input does not use; input using all of them is
+    refused (once: StopIteration escaped and the request never answered)."""
+    from deltaserve.chat import render_chat_text
+    from deltaserve.checkpoint.default import default_model_dir
+    from deltaserve.errors import RequestError
+    from deltaserve.tokenizer import Tokenizer
+
+    every = "".join(chr(c) for c in range(0xF0000, 0xF0000 + 0xFFFD))
+    with pytest.raises(RequestError, match="private-use"):
+        render_chat_text(Tokenizer(default_model_dir()),
+                         [{"role": "user", "content": every + "<|im_end|>"}])

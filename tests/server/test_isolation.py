@@ -164,7 +164,7 @@ def test_an_exception_in_a_step_is_logged_and_the_engine_is_rebuilt(served, capl
     _healthy_and_idle(base, llm)
 
 
-def test_a_whole_request_whose_client_leaves_is_aborted(served, monkeypatch) -> None:
+def test_a_whole_request_whose_client_leaves_is_aborted(served, monkeypatch, caplog) -> None:
     """A non-streaming request for 230 tokens (steps slowed to 20 ms, so it needs ~5 s): its
     client times out after 1 s; the request is aborted (counter +1, nothing open, no blocks held)
     instead of generating on."""
@@ -180,7 +180,7 @@ def test_a_whole_request_whose_client_leaves_is_aborted(served, monkeypatch) -> 
     steps = _metric(base, "deltaserve:engine_steps_total")
     body = _body(CODE, max_tokens=230)
     body["prompt"] = "x"
-    with pytest.raises(httpx.ReadTimeout):
+    with caplog.at_level(logging.ERROR), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     deadline = time.monotonic() + 10
     while _metric(base, "deltaserve:requests_aborted_total") == aborted:
@@ -188,6 +188,7 @@ def test_a_whole_request_whose_client_leaves_is_aborted(served, monkeypatch) -> 
         time.sleep(0.05)
     _healthy_and_idle(base, llm)
     assert _metric(base, "deltaserve:engine_steps_total") - steps < 229  # it did not finish
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[:2000]
 
 
 def test_prompts_are_prepared_off_the_event_loop(served, monkeypatch) -> None:
