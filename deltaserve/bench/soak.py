@@ -54,6 +54,14 @@ async def _one(client: httpx.AsyncClient, base: str, model: str, kind: str, rng:
         return r.status_code, r.status_code == 200 and lines[-1] == "data: [DONE]"
 
 
+def metric(base: str, name: str, headers: dict[str, str] | None = None) -> float:
+    """One sample of a running server's /metrics (the first series of that name); KeyError if none."""
+    for line in httpx.get(f"{base}/metrics", headers=headers, timeout=10).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} not in /metrics")
+
+
 async def soak(base: str, model: str, requests: int, concurrency: int = 16, seed: int = 0,
                headers: dict[str, str] | None = None, max_tokens: int = 12) -> dict:
     """Run `requests` requests of the mixed kinds, `concurrency` at a time; the tallies."""

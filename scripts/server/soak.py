@@ -19,7 +19,7 @@ import time
 import httpx
 
 from deltaserve.bench.record import device_info, git_commit
-from deltaserve.bench.soak import soak
+from deltaserve.bench.soak import metric, soak
 
 MODEL = "stdlib-19m"
 GREEDY = {"model": MODEL, "prompt": "import os\n", "max_tokens": 16, "temperature": 0}
@@ -28,13 +28,6 @@ GREEDY = {"model": MODEL, "prompt": "import os\n", "max_tokens": 16, "temperatur
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def _metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def _start(args) -> tuple[subprocess.Popen, str]:
@@ -84,9 +77,9 @@ def main() -> None:
             "concurrency": args.concurrency,
             "server_errors": sum(r["server_errors"] for r in rounds),
             "lost": sum(r["lost"] for r in rounds),
-            "open_after": _metric(base, "deltaserve:requests_open"),
-            "restarts": _metric(base, "deltaserve:engine_restarts_total"),
-            "aborted": _metric(base, "deltaserve:requests_aborted_total"),
+            "open_after": metric(base, "deltaserve:requests_open"),
+            "restarts": metric(base, "deltaserve:engine_restarts_total"),
+            "aborted": metric(base, "deltaserve:requests_aborted_total"),
             "greedy_unchanged": after["choices"][0]["text"] == greedy["choices"][0]["text"],
             # the first round warms the allocator; drift is measured from its end
             "rss_mb": [round(x, 1) for x in rss], "rss_drift_mb": round(rss[-1] - rss[1], 1),

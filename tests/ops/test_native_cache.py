@@ -56,7 +56,7 @@ def cached(seed, tmp_path) -> Path:
     return key_dir
 
 
-def rebuilt_from(key_dir: Path, capsys, why: str) -> None:
+def assert_rebuilt(key_dir: Path, capsys, why: str) -> None:
     """build() over a cache whose content was made untrustworthy: it says why and rebuilds."""
     lib = build("native", key_dir.parents[1])
     assert lib is not None and lib.ds_simd_lanes() in (0, 16)
@@ -84,7 +84,7 @@ def test_a_tampered_library_is_not_loaded_but_rebuilt(cached, capsys) -> None:
     data = bytearray(lib.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte of the code, the file's owner and modes kept
     lib.write_bytes(bytes(data))
-    rebuilt_from(cached, capsys, "does not match the hash")
+    assert_rebuilt(cached, capsys, "does not match the hash")
     assert lib.read_bytes() != bytes(data)
 
 
@@ -92,7 +92,7 @@ def test_a_tampered_library_is_not_loaded_but_rebuilt(cached, capsys) -> None:
 def test_a_group_or_world_writable_build_is_rebuilt(cached, capsys, what) -> None:
     path = {"folder": cached, "library": cached / LIB, "hash file": cached / HASH}[what]
     os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) | stat.S_IWGRP | stat.S_IWOTH)
-    rebuilt_from(cached, capsys, "group- or world-writable")
+    assert_rebuilt(cached, capsys, "group- or world-writable")
 
 
 def test_a_symlinked_build_folder_is_rebuilt(cached, tmp_path, capsys) -> None:
@@ -100,7 +100,7 @@ def test_a_symlinked_build_folder_is_rebuilt(cached, tmp_path, capsys) -> None:
     elsewhere = tmp_path / "elsewhere"
     cached.rename(elsewhere)
     cached.symlink_to(elsewhere, target_is_directory=True)
-    rebuilt_from(cached, capsys, "is a symlink")
+    assert_rebuilt(cached, capsys, "is a symlink")
     assert_installed(elsewhere)  # the link is replaced; what it pointed at is left alone
 
 
@@ -118,7 +118,7 @@ def test_a_library_owned_by_another_user_is_rebuilt(cached, capsys, monkeypatch)
         return st
 
     monkeypatch.setattr(os, "lstat", lstat)
-    rebuilt_from(cached, capsys, f"owned by uid {os.getuid() + 1}")
+    assert_rebuilt(cached, capsys, f"owned by uid {os.getuid() + 1}")
     assert os.stat(cached / LIB).st_ino != victim
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deltaserve.bench.soak import metric
 from deltaserve.server.app import build_app
 from tests.server.helpers import app_server, running_server
 
@@ -21,13 +22,6 @@ def _llm():
     from deltaserve import LLM
 
     return LLM(dtype="float32", max_model_len=256)
-
-
-def _metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_health_is_503_while_loading_and_requests_wait_for_the_model() -> None:
@@ -76,11 +70,11 @@ def test_idle_unload_frees_the_model_and_the_next_request_reloads_it() -> None:
             frames = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert len(frames) >= 2 and len(loads) == 1  # not unloaded under a running request
         _wait_health(base, "unloaded")
-        assert _metric(base, "deltaserve:model_loaded") == 0
+        assert metric(base, "deltaserve:model_loaded") == 0
         again = httpx.post(f"{base}/v1/completions", json=PROMPT, timeout=60).json()
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        assert len(loads) == 2 and _metric(base, "deltaserve:model_loads_total") == 2
-        assert _metric(base, "vllm:generation_tokens_total") >= 12 + 40 + 12  # across loads
+        assert len(loads) == 2 and metric(base, "deltaserve:model_loads_total") == 2
+        assert metric(base, "vllm:generation_tokens_total") >= 12 + 40 + 12  # across loads
 
 
 def test_the_engine_steps_on_the_thread_that_loaded_the_model(monkeypatch) -> None:

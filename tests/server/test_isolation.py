@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from deltaserve.bench.soak import metric
 from deltaserve.server.app import build_app
 from tests.server.helpers import app_server
 
@@ -32,13 +33,6 @@ def served():
     llm = LLM(dtype="float32", max_model_len=256)
     with app_server(build_app(llm, NAME)) as base:
         yield base, llm
-
-
-def _metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def _body(prompt: str, **kw) -> dict:
@@ -75,10 +69,10 @@ def _together(base: str, bodies: list[dict]) -> list[tuple[int, str]]:
 
 def _healthy_and_idle(base: str, llm) -> None:
     deadline = time.monotonic() + 20
-    while _metric(base, "deltaserve:requests_open") and time.monotonic() < deadline:
+    while metric(base, "deltaserve:requests_open") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
-    assert _metric(base, "deltaserve:requests_open") == 0
+    assert metric(base, "deltaserve:requests_open") == 0
     usage = llm.engine.cache.usage()
     assert usage["blocks_held_by_requests"] == 0 and usage["slots_used"] == 0, usage
 
@@ -90,7 +84,7 @@ def test_tiny_temperatures_and_nuclei_sample_safely_beside_other_requests(served
     argmax, as greedy, and the greedy requests beside them keep their solo tokens."""
     base, llm = served
     solo = {p: _together(base, [_body(p)])[0] for p in (CODE, PROSE)}
-    restarts = _metric(base, "deltaserve:engine_restarts_total")
+    restarts = metric(base, "deltaserve:engine_restarts_total")
     got = _together(base, [
         _body(CODE, stream=True), _body(PROSE),
         _body(CODE, temperature=1e-38, seed=1), _body(PROSE, temperature=1e-300, seed=2),
@@ -100,7 +94,7 @@ def test_tiny_temperatures_and_nuclei_sample_safely_beside_other_requests(served
     assert got[0] == solo[CODE] and got[1] == solo[PROSE]
     assert got[2] == solo[CODE] and got[3] == solo[PROSE]  # T -> 0 is greedy
     assert got[4] == solo[CODE] and got[5] == solo[PROSE]  # only the top token survives
-    assert _metric(base, "deltaserve:engine_restarts_total") == restarts
+    assert metric(base, "deltaserve:engine_restarts_total") == restarts
     _healthy_and_idle(base, llm)
 
 
@@ -136,7 +130,7 @@ def test_an_exception_in_a_step_is_logged_and_the_engine_is_rebuilt(served, capl
     and the rebuilt engine serves the same tokens as before."""
     base, llm = served
     before = _together(base, [_body(CODE)])[0]
-    restarts = _metric(base, "deltaserve:engine_restarts_total")
+    restarts = metric(base, "deltaserve:engine_restarts_total")
     engine, step = llm.engine, llm.engine.step
     calls = []
 
@@ -160,7 +154,7 @@ def test_an_exception_in_a_step_is_logged_and_the_engine_is_rebuilt(served, capl
         time.sleep(0.05)
     assert llm.engine is not engine  # a fresh engine, not the failed one patched back
     assert _together(base, [_body(CODE)])[0] == before
-    assert _metric(base, "deltaserve:engine_restarts_total") == restarts + 1
+    assert metric(base, "deltaserve:engine_restarts_total") == restarts + 1
     _healthy_and_idle(base, llm)
 
 
@@ -176,18 +170,18 @@ def test_a_whole_request_whose_client_leaves_is_aborted(served, monkeypatch, cap
         return forward(*a, **kw)
 
     monkeypatch.setattr(llm.model, "forward_batch", slowed)
-    aborted = _metric(base, "deltaserve:requests_aborted_total")
-    steps = _metric(base, "deltaserve:engine_steps_total")
+    aborted = metric(base, "deltaserve:requests_aborted_total")
+    steps = metric(base, "deltaserve:engine_steps_total")
     body = _body(CODE, max_tokens=230)
     body["prompt"] = "x"
     with caplog.at_level(logging.ERROR), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     deadline = time.monotonic() + 10
-    while _metric(base, "deltaserve:requests_aborted_total") == aborted:
+    while metric(base, "deltaserve:requests_aborted_total") == aborted:
         assert time.monotonic() < deadline, "the abandoned request was not aborted"
         time.sleep(0.05)
     _healthy_and_idle(base, llm)
-    assert _metric(base, "deltaserve:engine_steps_total") - steps < 229  # it did not finish
+    assert metric(base, "deltaserve:engine_steps_total") - steps < 229  # it did not finish
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[:2000]
 
 

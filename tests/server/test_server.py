@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from deltaserve.bench.soak import metric
 from tests.server.helpers import running_server
 
 KEY = "test-key-123"
@@ -69,11 +70,7 @@ def test_64_concurrent_requests_all_complete_correctly(server) -> None:
 
 
 def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", headers=HEADERS, timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+    return metric(base, name, HEADERS)
 
 
 def test_a_disconnect_frees_its_slot(server) -> None:
