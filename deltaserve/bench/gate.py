@@ -50,10 +50,11 @@ def js_divergence(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tenso
 
 def teacher_forced(llm, prompt_ids: list[int], cont: list[int]) -> torch.Tensor:
     """[64, V] next-token logits at the last prompt position and after each continuation token."""
-    state, device = llm.model.new_state(), llm.model.device
-    first = llm.model(torch.tensor([prompt_ids], device=device), state)  # [1, V]
-    rest = llm.model(torch.tensor([cont[:-1]], device=device), state, all_logits=True)[0]
-    return torch.cat([first, rest])
+    from deltaserve.cache.sequence import Sequence
+
+    seq = Sequence(llm.model, len(prompt_ids) + len(cont))
+    first = seq.forward(prompt_ids)  # [1, V]
+    return torch.cat([first, seq.forward(cont[:-1], all_logits=True)])
 
 
 def collapse(text: str, ids: list[int]) -> dict:

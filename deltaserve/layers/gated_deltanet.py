@@ -11,7 +11,7 @@ from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import causal_conv1d, causal_conv1d_qkv, qkv_conv_usable
 from deltaserve.ops.gdn import gdn_gates, gdn_prefill, scan_kernel_usable, takes_fla_stages
-from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_slots
+from deltaserve.ops.gdn_decode import gdn_decode_slots
 
 
 class GatedDeltaNet(nn.Module):
@@ -37,31 +37,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), False)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden, dtype)
-
-    def forward(
-        self, x: torch.Tensor, conv_window: torch.Tensor, recurrent: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B,T,N] -> ([B,T,N], new conv window [B,C,W-1]); `recurrent` [B,HV,K,V] is updated in place."""
-        bsz, seq_len, _ = x.shape
-        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
-        if seq_len == 1:
-            o, conv_window = gdn_decode(
-                qkv[:, 0],
-                z[:, 0],
-                b[:, 0],
-                a[:, 0],
-                conv_window,
-                self.conv1d.weight[:, 0],
-                self.A_log,
-                self.dt_bias,
-                recurrent,
-                self.norm.weight,
-                self.norm.eps,
-                self.num_k_heads,
-            )
-            return self.out_proj(o.to(x.dtype).unsqueeze(1)), conv_window
-        o, conv_window = self._scan(qkv, z, b, a, conv_window, recurrent, x.dtype)
-        return self.out_proj(o), conv_window
 
     def _scan(self, qkv, z, b, a, conv_window, recurrent, dtype, stops=(), on_boundary=None):
         """Prefill mixer: conv, chunked delta rule (state `recurrent` [B,HV,K,V] updated in place),

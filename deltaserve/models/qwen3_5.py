@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from deltaserve.cache.batch import StepBatch
-from deltaserve.cache.state import SequenceState
 from deltaserve.config import FULL, TextConfig
 from deltaserve.layers.attention import GatedAttention
 from deltaserve.layers.gated_deltanet import GatedDeltaNet
@@ -33,15 +32,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, idx: int, state: SequenceState, cos_sin) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.is_full:
-            h = self.self_attn(h, cos_sin, state.kv[idx])
-        else:
-            h, state.conv[idx] = self.linear_attn(h, state.conv[idx], state.recurrent[idx])
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
 
     def mix(self, h: torch.Tensor, idx: int, batch: StepBatch, cos_sin) -> torch.Tensor:
         """The token mixer of a batched step on the normed input h [1,T,N]."""
@@ -98,43 +88,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def new_state(self, batch_size: int = 1) -> SequenceState:
-        return SequenceState.empty(self.cfg, batch_size, self.act_dtype, self.device)
-
     def rotary(self) -> Rotary:
         if self._rotary is None:
             device = self.device
             self._rotary = Rotary(self.cfg.rotary_dim, self.cfg.rope_theta, device)
         return self._rotary
-
-    @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor | None:
-        """input_ids [B,T] continuing `state` (advanced in place) -> final-normed hidden [B,T,N]
-        (None on a pipeline stage before the last: it sends its output on)."""
-        seq_len = input_ids.shape[1]
-        x = self._stage_input(input_ids)
-        positions = torch.arange(state.position, state.position + seq_len, device=x.device)
-        cos_sin = self.rotary().cos_sin(positions, self.act_dtype)
-        for idx, layer in enumerate(self.model.layers):
-            x = layer(x, idx, state, cos_sin)
-        state.position += seq_len
-        if self.pp is not None and not self.pp.is_last:
-            self.pp.send(x)
-            return None
-        return self.model.norm(x)
-
-    @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, state: SequenceState, all_logits: bool = False
-    ) -> torch.Tensor:
-        """Logits [B,T,vocab] fp32 if all_logits, else only the last position's [B,vocab]."""
-        h = self.hidden_states(input_ids, state)
-        if h is not None:
-            h = self._head(h if all_logits else h[:, -1])
-        if self.pp is None:
-            return h
-        rows = tuple(input_ids.shape) if all_logits else tuple(input_ids.shape[:1])
-        return self.pp.share(h, (*rows, self.cfg.vocab_size), torch.float32)
 
     @torch.inference_mode()
     def forward_batch(
@@ -146,15 +104,34 @@ class Qwen3_5ForCausalLM(nn.Module):
         greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised).
         inject (rows [R] int64, embeddings [R,N]): those rows of the step take the given input
         embeddings instead of their token's (image placeholders take the vision tower's output)."""
-        x = self._stage_input(input_ids[None], inject)
-        cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         plan = self._native_plan(batch) if inject is None else None
         if plan is not None:  # a CPU decode/verify step: every layer in one native call
+            x = self._stage_input(input_ids[None])
+            cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
             steps, _buffers = decode_step.gdn_steps(batch, self.model.layers)  # alive for run
             h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
             if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
                 self.last_hidden = h
             return self._head(h, greedy)
+        h = self.hidden_batch(input_ids, batch, inject)
+        if h is None:  # the last stage's output comes back: [rows] tokens or [rows, V]
+            rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
+            return self.pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
+                                 torch.int64 if greedy else torch.float32)
+        if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
+            h = h.index_select(0, batch.graph_chunk.last_row())
+        elif not all_logits and batch.prefill:
+            h = h.index_select(0, batch.logit_index())
+        out = self._head(h, greedy)
+        return out if self.pp is None else self.pp.share(out, tuple(out.shape), out.dtype)
+
+    @torch.inference_mode()
+    def hidden_batch(self, input_ids: torch.Tensor, batch: StepBatch,
+                     inject: Injection | None = None) -> torch.Tensor | None:
+        """The final-normed hidden states [T,N] of every row of the step; None on a pipeline
+        stage before the last, which sends its residual stream on."""
+        x = self._stage_input(input_ids[None], inject)
+        cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
         # each residual add rides in the norm after it (one kernel on GPUs): the mixer's output
@@ -168,20 +145,12 @@ class Qwen3_5ForCausalLM(nn.Module):
                 h, residual = self.model.norm.add_forward(out, residual)
             else:  # the residual stream goes on: the next stage's first input norm takes it
                 residual = residual + out
-        if not last_stage:  # the last stage's output comes back: [rows] tokens or [rows, V]
-            rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
+        if not last_stage:
             pp.send(residual)
-            return pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
-                            torch.int64 if greedy else torch.float32)
+            return None
         if self.keep_hidden:  # the MTP drafter reads every row's final-normed hidden (spec/mtp.py)
             self.last_hidden = h[0]
-        if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
-            h = h[0].index_select(0, batch.graph_chunk.last_row())
-        else:
-            h = h[0] if all_logits or not batch.prefill else h[0].index_select(
-                0, batch.logit_index())
-        out = self._head(h, greedy)
-        return out if pp is None else pp.share(out, tuple(out.shape), out.dtype)
+        return h[0]
 
     _plan: tuple | None = None  # (pools key, decode_step.DecodePlan or None)
 

@@ -33,40 +33,6 @@ def gdn_decode_ref(
     return o.reshape(bsz, -1), window
 
 
-def gdn_decode(
-    qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, eps: float, num_k_heads: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as gdn_decode_ref; the native kernel on CPU fp32, else the reference."""
-    lib = native_lib()
-    fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, window, conv_w, state))
-    if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:
-        return gdn_decode_ref(
-            qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, eps, num_k_heads
-        )
-    bsz, num_heads, k_dim, v_dim = state.shape
-    tensors = [t.contiguous() for t in (qkv, z, b, a)]
-    window = (
-        window.contiguous()
-    )  # updated in place (and returned, as the reference returns a new one)
-    conv_w, a_log, dt_bias, norm_w = (
-        t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)
-    )
-    out = torch.empty(bsz, num_heads * v_dim)
-    ptrs = [t.data_ptr() for t in (*tensors, window, conv_w, a_log, dt_bias, state, norm_w, out)]
-    lib.ds_gdn_decode(
-        *ptrs,
-        bsz,
-        num_k_heads,
-        num_heads,
-        k_dim,
-        v_dim,
-        conv_w.shape[1],
-        eps,
-        torch.get_num_threads(),
-    )
-    return out, window
-
-
 def gdn_decode_slots_ref(
     qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
     eps: float, num_k_heads: int,

@@ -105,10 +105,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     one caller)."""
     lib.ds_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.ds_gemv_bf16.restype = None
-    lib.ds_gdn_decode.argtypes = (
-        [ctypes.c_void_p] * 11 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
-    )
-    lib.ds_gdn_decode.restype = None
     lib.ds_rmsnorm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int]
     )

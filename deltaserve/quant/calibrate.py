@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from deltaserve.cache.sequence import Sequence
 from deltaserve.errors import ConfigError
 
 MIN_TOKENS = 64  # fewer calibration tokens give importances that mostly reflect noise
@@ -84,10 +85,10 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
 
     hooks, head = _hook_inputs(model, add, covariance)
     try:
-        state = model.new_state()
+        seq = Sequence(model, len(ids))
         with torch.inference_mode():
             for start in range(0, len(ids), CHUNK_TOKENS):
-                h = model.hidden_states(torch.tensor([ids[start : start + CHUNK_TOKENS]]), state)
+                h = seq.hidden(ids[start : start + CHUNK_TOKENS])
                 if head is not None:
                     add(head[0], h, head[1])
     finally:

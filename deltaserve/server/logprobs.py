@@ -15,11 +15,12 @@ def score(llm, ids: list[int], top_k: int) -> tuple[list[float | None], list[dic
     """log p(ids[i] | ids[:i]) for each position (None for the first, which has no context) and
     the top_k alternatives there as {token text: logprob}. The head runs over the positions in
     slices, so a long prompt never materialises [T, vocab] logits at once."""
+    from deltaserve.cache.sequence import Sequence
     from deltaserve.layers.linear import linear
     from deltaserve.quant.linear import is_quantized, quant_linear
 
     model = llm.model
-    hidden = model.hidden_states(torch.tensor([ids], device=model.device), model.new_state())[0]
+    hidden = Sequence(model, len(ids)).hidden(ids)
     head = model.head
     token_lps: list[float | None] = [None]
     tops: list[dict | None] = [None]

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from deltaserve.cache.sequence import Sequence
 from deltaserve.engine.args import EngineArgs
 from deltaserve.engine.llm import LLM
 from deltaserve.validate.reference import load_reference
@@ -37,12 +38,12 @@ def compare(llm: LLM, reference, prompt_ids: list[int], num_tokens: int) -> Comp
         ref_tokens = reference.generate(
             ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
         )[0, len(prompt_ids) :].tolist()
-    state = llm.model.new_state(1)
-    ours_logits = llm.model(ids, state, all_logits=True)[0]
+    seq = Sequence(llm.model, len(prompt_ids) + num_tokens)
+    ours_logits = seq.forward(prompt_ids, all_logits=True)
     ours_tokens, logits = [], ours_logits[-1]
     for _ in range(num_tokens):  # greedy, EOS ignored, exactly as the reference is asked to
         ours_tokens.append(int(logits.argmax()))
-        logits = llm.model(torch.tensor([[ours_tokens[-1]]], device=llm.device), state)[0]
+        logits = seq.forward(ours_tokens[-1:])[0]
     diverge = next(
         (i for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=True)) if a != b), None
     )

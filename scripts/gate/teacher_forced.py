@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.bench.gate import js_divergence  # noqa: E402
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.engine.llm import LLM  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[2] / "deltaserve" / "bench" / "gate_prompts.json"
@@ -32,8 +33,7 @@ def logits_of(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            state = llm.model.new_state()
-            out.append(llm.model(torch.tensor([ids]), state, all_logits=True)[0].float())
+            out.append(prompt_logits(llm.model, ids).float())
     return out
 
 

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.bench.record import device_info, git_commit  # noqa: E402
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.presets import preset  # noqa: E402
 from deltaserve.checkpoint.writer import write_checkpoint  # noqa: E402
 from deltaserve.quant.convert import quantize_checkpoint  # noqa: E402
@@ -38,7 +39,7 @@ def parity(model_dir: Path) -> dict:
     for device in ("cpu", "cuda"):
         llm = LLM(model_dir, dtype="float32", device=device)
         x = torch.tensor([prompt], device=device)
-        logits[device] = llm.model(x, llm.model.new_state(), all_logits=True).float().cpu()
+        logits[device] = prompt_logits(llm.model, x)[None].float().cpu()
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         tokens[device] = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
         del llm

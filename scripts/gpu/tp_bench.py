@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.bench.record import device_info, flags, git_commit  # noqa: E402
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.distributed.launch import spawn  # noqa: E402
 
 GREEDY_PROMPTS, GREEDY_TOKENS = 3, 32
@@ -186,7 +187,7 @@ def parity(rank: int, model_dir: str, tp: int, path: str, pp: int = 1,
               max_num_seqs=4, **_parallel(tp, pp, opts))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, llm.config.vocab_size, (1, 64), generator=gen)
-    logits = llm.model(ids.to(llm.model.device), llm.model.new_state(1), all_logits=True)
+    logits = prompt_logits(llm.model, ids.to(llm.model.device))[None]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     greedy = llm.generate([{"prompt_token_ids": ids[0].tolist()}], params)[0].outputs[0].token_ids
     if rank == 0:

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from deltaserve import LLM
 from deltaserve.bench.needle import heldout_filler
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.synthetic import lm_specs, mtp_specs
 from deltaserve.validate.compare import compare
 from deltaserve.validate.reference import load_reference
@@ -55,7 +56,7 @@ def test_heldout_loss_is_far_below_unigram(default_llm, default_dir) -> None:
     log = json.loads((default_dir / "train_log.json").read_text())
     text = "".join(heldout_filler(default_dir / "manifest.json", max_lines=3000))
     ids = torch.tensor([default_llm.tokenizer.encode(text)[:2049]])
-    logits = default_llm.model(ids[:, :-1], default_llm.model.new_state(1), all_logits=True)[0]
+    logits = prompt_logits(default_llm.model, ids[:, :-1])
     loss = F.cross_entropy(logits, ids[0, 1:]).item()
     assert loss < 0.5 * log["unigram_heldout_loss"]
 

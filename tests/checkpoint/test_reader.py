@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from deltaserve.cache.sequence import Sequence
 from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.reader import TensorIndex, lm_name
 from deltaserve.config import TextConfig
@@ -49,7 +50,7 @@ def _rewrite(src: Path, dst: Path, config: dict, rename, num_shards: int = 0) ->
 
 def _logits(model_dir: Path) -> torch.Tensor:
     model, _, _ = load_text_model(model_dir, "float32")
-    return model(torch.tensor([[1, 2, 3, 4, 5]]), model.new_state(1))
+    return Sequence(model, 5).forward([1, 2, 3, 4, 5])
 
 
 def test_three_config_forms_give_the_same_config(tiny_dir) -> None:

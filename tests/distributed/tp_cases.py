@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from deltaserve.cache.sequence import Sequence
+
 PROMPT_LENS = (37, 90, 5)  # engine prompts: a chunk boundary at 64, a short one
 DECODE_STEPS = 6
 
@@ -27,9 +29,11 @@ def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False, pp_size: 
     model, out = llm.model, {}
     if not greedy_head:
         ids = torch.tensor([prompt_ids(40, 1), prompt_ids(40, 2)])
-        state = model.new_state(2)
-        steps = [model(ids[:, :34], state, all_logits=True)]  # prefill [2, 34, V]
-        steps += [model(ids[:, t : t + 1], state, all_logits=True) for t in range(34, 40)]
+        seqs = [Sequence(model, 40), Sequence(model, 40)]
+        steps = [torch.stack([s.forward(ids[b, :34], all_logits=True)  # prefill [2, 34, V]
+                              for b, s in enumerate(seqs)])]
+        steps += [torch.stack([s.forward(ids[b, t : t + 1], all_logits=True)
+                               for b, s in enumerate(seqs)]) for t in range(34, 40)]
         out["single"] = torch.cat(steps, dim=1)
     recorded: list[torch.Tensor] = []
     forward_batch = model.forward_batch

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltaserve.cache.manager import CacheConfig
+from deltaserve.cache.sequence import Sequence
 from deltaserve.engine.engine import Engine, EngineConfig
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
@@ -62,11 +63,11 @@ def run_all(engine, prompts: dict[str, list[int]], params=GREEDY, max_steps=2000
 
 def solo(model, ids: list[int], num_new: int):
     """The single-sequence path: prefill in one call, then one token per call."""
-    state = model.new_state(1)
-    logits = [model(torch.tensor([ids]), state)[0]]
+    seq = Sequence(model, len(ids) + num_new)
+    logits = [seq.forward(ids)[0]]
     toks = [int(logits[-1].argmax())]
     for _ in range(num_new - 1):
-        logits.append(model(torch.tensor([[toks[-1]]]), state)[0])
+        logits.append(seq.forward(toks[-1:])[0])
         toks.append(int(logits[-1].argmax()))
     return toks, torch.stack(logits)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
+from deltaserve.cache.sequence import Sequence, prompt_logits
 from deltaserve.env import env
 from deltaserve.validate.compare import compare, rel_l2
 from deltaserve.validate.reference import load_reference
@@ -43,32 +44,22 @@ def test_config_variants_match_transformers(tmp_path, overrides) -> None:
 def test_prefill_then_decode_equals_one_forward(tiny_llm) -> None:
     ids = torch.tensor([prompt_ids(90, seed=2)])
     model = tiny_llm.model
-    full = model(ids, model.new_state(1), all_logits=True)
-    state = model.new_state(1)
-    pieces = [model(ids[:, :70], state, all_logits=True)]  # chunked prefill: 70 = 64 + 6
-    pieces += [model(ids[:, t : t + 1], state, all_logits=True) for t in range(70, 90)]
-    assert rel_l2(torch.cat(pieces, 1), full) <= 1e-5
+    full = prompt_logits(model, ids)[None]
+    seq = Sequence(model, 90)
+    pieces = [seq.forward(ids[:, :70], all_logits=True)]  # chunked prefill: 70 = 64 + 6
+    pieces += [seq.forward(ids[:, t : t + 1], all_logits=True) for t in range(70, 90)]
+    assert rel_l2(torch.cat(pieces)[None], full) <= 1e-5
 
 
 def test_uneven_prefill_chunks_equal_one_forward(tiny_llm) -> None:
     ids = torch.tensor([prompt_ids(150, seed=3)])
     model = tiny_llm.model
-    full = model(ids, model.new_state(1), all_logits=True)
-    state = model.new_state(1)
+    full = prompt_logits(model, ids)[None]
+    seq = Sequence(model, 150)
     bounds = [0, 1, 50, 64, 129, 150]
-    pieces = [
-        model(ids[:, a:b], state, all_logits=True) for a, b in zip(bounds, bounds[1:], strict=False)
-    ]
-    assert rel_l2(torch.cat(pieces, 1), full) <= 1e-5
-
-
-def test_batch_of_two_equals_two_single_runs(tiny_llm) -> None:
-    model = tiny_llm.model
-    ids = torch.tensor([prompt_ids(40, seed=4), prompt_ids(40, seed=5)])
-    batch = model(ids, model.new_state(2), all_logits=True)
-    for b in range(2):
-        single = model(ids[b : b + 1], model.new_state(1), all_logits=True)
-        assert rel_l2(batch[b : b + 1], single) <= 1e-5
+    pieces = [seq.forward(ids[:, a:b], all_logits=True)
+              for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert rel_l2(torch.cat(pieces)[None], full) <= 1e-5
 
 
 def test_bf16_decode_stays_close_to_fp32_over_512_steps(tiny_dir, tiny_llm) -> None:
@@ -76,34 +67,35 @@ def test_bf16_decode_stays_close_to_fp32_over_512_steps(tiny_dir, tiny_llm) -> N
     bf16 = LLM(tiny_dir, dtype="bfloat16").model
     fp32 = tiny_llm.model
     ids = prompt_ids(16 + 512, seed=6)
-    s16, s32 = bf16.new_state(1), fp32.new_state(1)
-    bf16(torch.tensor([ids[:16]]), s16)
-    fp32(torch.tensor([ids[:16]]), s32)
+    s16, s32 = Sequence(bf16, len(ids)), Sequence(fp32, len(ids))
+    s16.forward(ids[:16])
+    s32.forward(ids[:16])
     worst = 0.0
     for t in ids[16:]:
-        a = bf16(torch.tensor([[t]]), s16)
-        b = fp32(torch.tensor([[t]]), s32)
+        a = s16.forward([t])
+        b = s32.forward([t])
         worst = max(worst, rel_l2(a, b))
     assert worst <= 1e-2
     assert worst > 0  # bf16 really ran in lower precision
 
 
 def test_state_is_per_sequence_and_fp32(tiny_llm) -> None:
-    state = tiny_llm.model.new_state(1)
+    seq = Sequence(tiny_llm.model, 100)
     cfg = tiny_llm.config
     gdn = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
-    assert state.recurrent[gdn[0]].dtype == torch.float32
-    assert state.recurrent[gdn[0]].shape == (
+    assert seq.states.recurrent[gdn[0]].dtype == torch.float32
+    assert seq.states.recurrent[gdn[0]].shape == (
         1,
         cfg.linear_num_value_heads,
         cfg.linear_key_head_dim,
         cfg.linear_value_head_dim,
     )
-    assert state.conv[gdn[0]].shape == (1, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
-    tiny_llm.model(torch.tensor([prompt_ids(10)]), state)
-    assert state.position == 10
-    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
-    assert state.kv[full[0]].length == 10
+    assert seq.states.conv[gdn[0]].shape == (1, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    assert len(seq.blocks) == 2  # 100 positions in 64-position KV blocks
+    seq.forward(prompt_ids(10))
+    assert seq.position == 10 and seq.states.recurrent[gdn[0]].abs().sum() > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        seq.forward(prompt_ids(91))
 
 
 @pytest.mark.slow
@@ -126,9 +118,9 @@ def test_reference_ops_switch_gives_the_same_decode(tiny_dir, monkeypatch) -> No
     for flag in ("0", "1"):
         monkeypatch.setenv("DELTASERVE_REFERENCE_OPS", flag)
         model = LLM(tiny_dir, dtype="bfloat16").model
-        state = model.new_state(1)
-        logits = [model(torch.tensor([ids[:10]]), state)]
-        logits += [model(torch.tensor([[t]]), state) for t in ids[10:]]
+        seq = Sequence(model, len(ids))
+        logits = [seq.forward(ids[:10])]
+        logits += [seq.forward([t]) for t in ids[10:]]
         runs.append(torch.stack(logits))
     monkeypatch.undo()
     env.cache_clear()  # later tests see the real environment again

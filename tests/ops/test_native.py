@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.ops.gdn_decode import gdn_decode, gdn_decode_ref
+from deltaserve.ops.gdn_decode import gdn_decode_slots, gdn_decode_slots_ref
 from deltaserve.ops.gemv import gemm_small, gemv, gemv_ref
 from deltaserve.ops.native import native_lib, simd_lanes
 
@@ -56,21 +56,24 @@ def _gdn_inputs(bsz: int, heads_k: int, heads_v: int, k_dim: int, v_dim: int, se
 def test_fused_gdn_decode_matches_reference_over_steps(
     bsz: int, heads_k: int, heads_v: int
 ) -> None:
-    inp = _gdn_inputs(bsz, heads_k, heads_v, 32, 48, seed=heads_v)
+    """The native kernel on pool rows `slots` (the spare row untouched) against the reference."""
+    inp = _gdn_inputs(bsz + 1, heads_k, heads_v, 32, 48, seed=heads_v)
     ref_state, state = inp["state"].clone(), inp["state"].clone()
     ref_window, window = inp["window"].clone(), inp["window"].clone()
+    slots = torch.arange(bsz, 0, -1)  # rows bsz..1: reversed, row 0 is nobody's
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):  # the windows and states carry across steps
-        qkv = torch.randn(inp["qkv"].shape, generator=gen)
-        args = (inp["z"], inp["b"], inp["a"])
+        qkv = torch.randn(inp["qkv"][:bsz].shape, generator=gen)
+        args = (inp["z"][:bsz], inp["b"][:bsz], inp["a"][:bsz])
         tail = (inp["conv_w"], inp["a_log"], inp["dt_bias"])
-        ref, ref_window = gdn_decode_ref(
-            qkv, *args, ref_window, *tail, ref_state, inp["norm_w"], 1e-6, heads_k
-        )
-        out, window = gdn_decode(qkv, *args, window, *tail, state, inp["norm_w"], 1e-6, heads_k)
+        ref = gdn_decode_slots_ref(qkv, *args, ref_window, *tail, ref_state, slots,
+                                   inp["norm_w"], 1e-6, heads_k)
+        out = gdn_decode_slots(qkv, *args, window, *tail, state, slots, inp["norm_w"], 1e-6,
+                               heads_k)
         assert rel(out, ref) <= 1e-5
     assert rel(state, ref_state) <= 1e-5
     assert torch.allclose(window, ref_window)
+    assert torch.equal(state[0], inp["state"][0]) and torch.equal(window[0], inp["window"][0])
 
 
 @pytest.mark.parametrize("rows,dim,offset", [(1, 1024, 1.0), (37, 256, 1.0), (5, 128, 0.0)])

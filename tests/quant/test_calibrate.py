@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.cache.sequence import Sequence
 from deltaserve.cli import main
 from deltaserve.errors import ConfigError
 from deltaserve.quant.calibrate import MIN_TOKENS, input_importance, read_calibration
@@ -30,7 +31,7 @@ def test_importance_covers_every_quantized_module_with_its_input_mean_square(tin
         assert v.shape == (width,) and torch.isfinite(v).all() and (v > 0).any(), name
     ids = torch.tensor([tiny_llm.tokenizer.encode(TEXT)[:200]])
     with torch.inference_mode():
-        h = tiny_llm.model.hidden_states(ids, tiny_llm.model.new_state())
+        h = Sequence(tiny_llm.model, ids.shape[1]).hidden(ids)
     want = h.reshape(-1, h.shape[-1]).float().square().mean(0)
     assert torch.allclose(imp["model.embed_tokens"], want, rtol=1e-4, atol=1e-7)
 
@@ -82,7 +83,7 @@ def test_calibrated_quantize_writes_a_loadable_checkpoint(tiny_dir, tmp_path, ca
 
     llm = LLM(tmp_path / "q", dtype="float32")
     ids = torch.tensor([llm.tokenizer.encode("def f(x):")])
-    assert torch.isfinite(llm.model(ids, llm.model.new_state())).all()
+    assert torch.isfinite(Sequence(llm.model, ids.shape[1]).forward(ids)).all()
 
 
 def test_bad_calibration_requests_are_clear_errors(tiny_dir, tmp_path, capsys) -> None:

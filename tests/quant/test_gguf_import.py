@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import LLM
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.cli import main
 from deltaserve.errors import CheckpointError
@@ -116,8 +117,8 @@ def test_gguf_file_runs_like_the_values_it_encodes(tmp_path, qtype, embed_qtype)
     save_file(ref, str(ref_dir / "model.safetensors"))
     ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
     ids = torch.tensor(PROMPT_IDS)
-    lo = ours.model(ids, ours.model.new_state(), all_logits=True)
-    lr = theirs.model(ids, theirs.model.new_state(), all_logits=True)
+    lo = prompt_logits(ours.model, ids)[None]
+    lr = prompt_logits(theirs.model, ids)[None]
     assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
 
 

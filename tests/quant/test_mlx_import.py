@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import LLM
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.env import env
 from deltaserve.errors import CheckpointError
@@ -90,7 +91,7 @@ def test_mlx_checkpoint_runs_like_its_dequantized_weights(tmp_path, bits, monkey
     mlx_dir, ref_dir = write_mlx(default_model_dir(), tmp_path, bits)
     ids = torch.tensor(PROMPT_IDS)
     ref = LLM(ref_dir, dtype="float32")
-    lr = ref.model(ids, ref.model.new_state(), all_logits=True)
+    lr = prompt_logits(ref.model, ids)[None]
     errors = {}
     for exact in ("1", "0"):
         monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact)
@@ -98,7 +99,7 @@ def test_mlx_checkpoint_runs_like_its_dequantized_weights(tmp_path, bits, monkey
         try:
             ours = LLM(mlx_dir, dtype="float32")
             assert ours.model.model.layers[0].mlp.down_proj.scheme.bits == bits
-            lo = ours.model(ids, ours.model.new_state(), all_logits=True)
+            lo = prompt_logits(ours.model, ids)[None]
         finally:
             env.cache_clear()
         errors[exact] = ((lo - lr).norm() / lr.norm()).item()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.ops import triton_qgemv
 from deltaserve.quant.convert import quantize_checkpoint
@@ -24,7 +25,7 @@ def test_quantized_model_on_cuda_matches_the_cpu_engine(tmp_path, monkeypatch, f
     quantize_checkpoint(default_model_dir(), fmt, tmp_path / fmt)
     engines = {d: LLM(tmp_path / fmt, dtype="float32", device=d) for d in ("cpu", "cuda")}
     ids = engines["cpu"].tokenizer.encode(PROMPT)
-    logits = {d: e.model(torch.tensor([ids], device=d), e.model.new_state(), all_logits=True).cpu()
+    logits = {d: prompt_logits(e.model, torch.tensor([ids], device=d))[None].cpu()
               for d, e in engines.items()}
     assert ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item() <= 1e-4
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.cli import main
 from deltaserve.errors import CheckpointError, ConfigError
@@ -70,8 +71,8 @@ def test_quantized_execution_equals_the_dequantized_model(pair) -> None:
     # take the packed GEMV, whose int8 path quantizes activations (checked in tests/ops)
     ids = torch.tensor([quant.tokenizer.encode(PROMPT * 3)])
     assert ids.shape[1] > CPU_GEMV_MAX_ROWS
-    lq = quant.model(ids, quant.model.new_state(), all_logits=True)
-    lr = ref.model(ids, ref.model.new_state(), all_logits=True)
+    lq = prompt_logits(quant.model, ids)[None]
+    lr = prompt_logits(ref.model, ids)[None]
     assert ((lq - lr).norm() / lr.norm()).item() <= 1e-5
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # decode GEMV path
     assert quant.generate(PROMPT, params)[0].outputs[0].token_ids == \
@@ -92,8 +93,8 @@ def test_quantized_logits_stay_within_the_format_bound_of_the_float_model(pair) 
     fmt, _, quant, _ = pair
     base = LLM(default_model_dir(), dtype="float32")
     ids = torch.tensor([base.tokenizer.encode(PROMPT)])
-    lb = base.model(ids, base.model.new_state(), all_logits=True)
-    lq = quant.model(ids, quant.model.new_state(), all_logits=True)
+    lb = prompt_logits(base.model, ids)[None]
+    lq = prompt_logits(quant.model, ids)[None]
     assert ((lq - lb).norm() / lb.norm()).item() <= {"int8": 0.02, "int4": 0.2, "q1": 1.2}[fmt]
 
 

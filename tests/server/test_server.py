@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from deltaserve.bench.soak import metric
+from deltaserve.cache.sequence import prompt_logits
 from tests.server.helpers import running_server
 
 KEY = "test-key-123"
@@ -169,7 +170,7 @@ def test_loglikelihood_through_completions_matches_the_engine(server) -> None:
     assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
     server_sum = sum(lp["token_logprobs"][len(ctx) : len(ids)])
     with torch.inference_mode():
-        logits = llm.model(torch.tensor([ids]), llm.model.new_state(), all_logits=True)[0]
+        logits = prompt_logits(llm.model, ids)
     logp = torch.log_softmax(logits.float(), -1)
     own = sum(logp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
     assert abs(server_sum - own) <= 1e-4 * max(1.0, abs(own))

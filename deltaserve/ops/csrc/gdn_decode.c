@@ -86,14 +86,6 @@ static void gdn_decode(const float* qkv, const float* z, const float* b, const f
   free(conv_out);
 }
 
-void ds_gdn_decode(const float* qkv, const float* z, const float* b, const float* a, float* window,
-                   const float* conv_w, const float* a_log, const float* dt_bias, float* state,
-                   const float* norm_w, float* out, long B, long H, long HV, long K, long V, long W,
-                   float eps, int num_threads) {
-  gdn_decode(qkv, z, b, a, window, conv_w, a_log, dt_bias, state, norm_w, out, NULL, B, H, HV, K,
-             V, W, eps, num_threads);
-}
-
 void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const float* a,
                          float* window, const float* conv_w, const float* a_log,
                          const float* dt_bias, float* state, const float* norm_w, float* out,
