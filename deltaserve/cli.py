@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _parser_gate(sub)
     _parser_trace(sub)
     _parser_needle(sub)
+    _parser_ops(sub)
     return parser
 
 
@@ -210,6 +211,42 @@ def _parser_needle(sub: argparse._SubParsersAction) -> None:
     EngineArgs.add_cli_args(hay, ("model",), dtype_default="float32")
 
 
+def _parser_ops(sub: argparse._SubParsersAction) -> None:
+    ops = sub.add_parser("ops", help="which implementation each op runs for this model and device")
+    ops.add_argument("--prompt-tokens", type=int, default=200,
+                     help="a prefill chunk of this many tokens and decode steps are run first")
+    ops.add_argument("--json", action="store_true", help="one JSON record instead of the table")
+    EngineArgs.add_cli_args(ops, ("model", "batching"))
+
+
+def _ops(args: argparse.Namespace) -> int:
+    """Runs a prompt and a few decode steps (one sequence, then four), then prints every op's
+    choice for the cases it met (ops/dispatch.report)."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.ops import dispatch
+
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    vocab = llm.config.vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(args.prompt_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, params)
+    llm.generate([{"prompt_token_ids": prompt[: 8 + i]} for i in range(4)], params)
+    rows = dispatch.report()
+    if args.json:
+        print(json.dumps({"device": str(llm.device), "dtype": str(llm.model.act_dtype),
+                          "ops": rows}, indent=1))
+        return 0
+    print(f"ops run by {llm.config.model_type} on {llm.device}, {llm.model.act_dtype} "
+          "(decode step: a step without prefill chunks)")
+    for r in rows:
+        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+        step = "decode step" if r["native_rows"] else "with prefill"
+        print(f"{r['op']:<15} {step:<12} {shape}\n    -> {r['chosen']}")
+        for name, why in r["skipped"].items():
+            print(f"       not {name}: {why}")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.default import default_model_dir
     from deltaserve.checkpoint.hub import resolve_model_dir
@@ -311,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             from deltaserve.bench.gate import run_gate
 
             return run_gate(args)
+        if args.command == "ops":
+            return _ops(args)
         if args.command == "needle":
             from deltaserve.bench.needle_run import run_needle
 

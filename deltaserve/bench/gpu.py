@@ -177,15 +177,14 @@ def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: st
     from deltaserve.bench.attribution import decode_attribution
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.sampling import SamplingParams
-    from deltaserve.ops.gdn import fla_usable
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, case_at
 
     llm = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0, max_num_seqs=4,
               max_num_batched_tokens=8192)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.vocab_size
-    probe = torch.zeros(1, dtype=torch.bfloat16, device=device)
-    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model),
-                 "prefill_scan": "fla" if fla_usable(probe) else "torch"}
+    scan = GDN_PREFILL.choose(case_at(8192, torch.bfloat16, llm.model.device, llm.config))
+    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model), "prefill_scan": scan.name}
     out.update(prefill_tiers(llm, lens, gen))
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()

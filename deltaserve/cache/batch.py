@@ -97,6 +97,11 @@ class StepBatch:
     # a captured prefill graph's one padded chunk (engine/prefill_graph.py); then the chunk's rows
     # attend as decode rows (decode_tables / decode_lengths) and prefill, decode, verify are empty
     graph_chunk: GraphChunk | None = None
+    # the engine's steps without prefill chunks: every row takes the per-row kernels (native on
+    # CPU) whatever their number, so a row's bits never depend on who shares its step
+    # (spec/rollback.py relies on it); the model runs its ops within ops/dispatch.stepping(it)
+    native_rows: bool = False
+    scratch: object = None  # cache/scratch.Scratch the step's temporaries reuse (None: allocate)
 
     def chunk_table(self, i: int, device) -> torch.Tensor:
         """Chunk i's block table on the device (prefill chunks': copied in build, once per step)."""

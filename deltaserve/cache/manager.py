@@ -14,6 +14,7 @@ import torch
 from deltaserve.cache.batch import SNAP_GRID
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.cache.prefix import PrefixCache
+from deltaserve.cache.scratch import Scratch
 
 PREFIX_SNAPSHOTS = ("sparse", "grid")  # CacheConfig.prefix_snapshots: cache/prefix.py
 # the finest snapshot grid: fla's GDN scan chunk, so a snapshot falls on a chunk boundary
@@ -66,6 +67,7 @@ class CacheManager:
         self.prefix = (PrefixCache(self.kv, config.prefix_granularity, config.prefix_budget_bytes,
                                    fingerprint) if config.prefix_budget_bytes > 0 else None)
         self._allocs: dict[str, _Alloc] = {}
+        self.scratch = Scratch()  # the engine's steps' temporaries (StepBatch.scratch)
 
     # -- the scheduler's protocol -------------------------------------------------------------
     def capacity_tokens(self) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
+from deltaserve.cache.scratch import Scratch
 
 BLOCK_LEN = 64  # KV block length; the engine's default (CacheConfig.KV_BLOCK_LEN)
 
@@ -29,6 +30,7 @@ class Sequence:
         self.kv = KVPool(cfg, PoolSizes(1, num_blocks, BLOCK_LEN), model.act_dtype, device)
         self.slot = self.states.allocate()
         self.blocks = tuple(self.kv.allocate(num_blocks))
+        self.scratch = Scratch()
 
     def _batch(self, ids) -> tuple[torch.Tensor, StepBatch]:
         """The chunk `ids` (list [T] or tensor [T] / [1,T]) as a one-chunk step at the position."""
@@ -41,6 +43,7 @@ class Sequence:
         chunk = SeqChunk(self.slot, self.position, num,
                          self.blocks[: -(-(self.position + num) // BLOCK_LEN)])
         batch = StepBatch.build([chunk], self.states, self.kv, self.model.device)
+        batch.scratch = self.scratch
         self.position += num
         return ids, batch
 

@@ -83,7 +83,7 @@ class DecodeGraphs:
         from deltaserve.cache.batch import SeqChunk
 
         chunks = [SeqChunk(self.spare_slot, 0, 1, (self.spare_block,)) for _ in range(bsz)]
-        batch = StepBatch(chunks, self.cache.states, self.cache.kv)
+        batch = StepBatch(chunks, self.cache.states, self.cache.kv, scratch=self.cache.scratch)
         batch.offsets = list(range(bsz))
         batch.decode = list(range(bsz))
         batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]

@@ -88,21 +88,22 @@ def long_graphs_run(model, block_len: int) -> bool:
         return False
     if model.device.type != "cuda" or not cfg.linear_num_value_heads:
         return True
-    from deltaserve.ops.gdn import takes_fla_stages_at
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, case_at
 
-    return takes_fla_stages_at(LONG_BUCKETS[0], model.act_dtype, model.device,
-                               cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    chosen = GDN_PREFILL.choose(case_at(LONG_BUCKETS[0], model.act_dtype, model.device, cfg))
+    return chosen.name.startswith("fla_stages")
 
 
 def usable(model) -> bool:
     """Graphs need the Triton scan and paged attention (16-bit activations, triton backend), no
     scratch-buffer dequantization (dense weights) and one rank."""
-    from deltaserve.env import env
     from deltaserve.ops.backend import triton_enabled
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, case_at
 
     if model.act_dtype not in (torch.bfloat16, torch.float16) or not triton_enabled():
         return False
-    if env().reference_ops:  # the torch references run instead of the kernels named above
+    short = case_at(TOKEN_BUCKETS[-1], model.act_dtype, model.device, model.cfg)
+    if not GDN_PREFILL.chooses(short, "triton_recurrent"):  # e.g. DELTASERVE_REFERENCE_OPS=1
         return False
     if getattr(model, "tp", None) is not None:  # tensor-parallel ranks step eagerly here
         return False
@@ -289,7 +290,7 @@ class PrefillGraphs:
         """A StepBatch whose tensors are the graph's static inputs (one padded graph chunk)."""
         num_rows = static["ids"].shape[0]
         chunk = SeqChunk(self.spare_slot, 0, num_rows, (self.spare_block,))
-        batch = StepBatch([chunk], self.cache.states, self.cache.kv)
+        batch = StepBatch([chunk], self.cache.states, self.cache.kv, scratch=self.cache.scratch)
         batch.offsets = [0]
         batch.positions, batch.kv_blocks = static["positions"], static["kv_blocks"]
         batch.kv_rows = static["kv_rows"]

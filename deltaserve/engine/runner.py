@@ -15,8 +15,7 @@ from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.env import env
 from deltaserve.ops.attention import SPLIT_MIN_QUERIES, warm_split_attention
-from deltaserve.ops.gdn import SCAN_MAX_TOKENS
-from deltaserve.ops.norm import native_rows
+from deltaserve.ops.gdn_prefill import SCAN_MAX_TOKENS
 
 
 class StepLogits(Mapping[str, torch.Tensor]):
@@ -141,9 +140,9 @@ class ModelRunner:
                                device)
         if feed is not None:  # decode-only: chunk i is token i
             fed_ids(ids_t, feed)
-        with native_rows(not batch.prefill):  # decode rows' bits independent of the batch
-            logits = self.model.forward_batch(ids_t, batch, greedy=self.greedy_head,
-                                              inject=inject)
+        batch.native_rows = not batch.prefill  # decode rows' bits independent of the batch
+        batch.scratch = self.cache.scratch
+        logits = self.model.forward_batch(ids_t, batch, greedy=self.greedy_head, inject=inject)
         out = _step_logits(logits, plan)
         out.verify_record = batch.spec
         pending = {i: snaps for i, snaps in batch.snapshots.items() if snaps}
@@ -183,13 +182,13 @@ def _tune_prefill_scan(model, max_prefill_chunk: int) -> None:
     """fla's stages (the GDN scan of chunks over SCAN_MAX_TOKENS) picked their launch configs at a
     prefill length: ops/fla_scan.tune, once per process, before the first request."""
     from deltaserve.ops import fla_scan
-    from deltaserve.ops.gdn import takes_fla_stages_at
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, case_at
 
     cfg = model.cfg
     if not cfg.linear_num_value_heads or model.device.type != "cuda" or fla_scan.tuned is not None:
         return
-    if takes_fla_stages_at(max_prefill_chunk, model.act_dtype, model.device,
-                           cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+    case = case_at(max_prefill_chunk, model.act_dtype, model.device, cfg)
+    if GDN_PREFILL.choose(case).name.startswith("fla_stages"):
         fla_scan.tuned = max_prefill_chunk
         fla_scan.tune(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim, max_prefill_chunk,

@@ -13,7 +13,9 @@ from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import apply_rotary
 from deltaserve.ops.attention import causal_attention, paged_decode_attention_cpu
-from deltaserve.ops.norm import cuda_kernel_rows
+from deltaserve.ops.dispatch import REFERENCE, Case, Op
+from deltaserve.ops.native import native_lib
+from deltaserve.ops.norm import ROWS, row_case, triton_rows_why_not
 
 
 class GatedAttention(nn.Module):
@@ -56,8 +58,16 @@ class GatedAttention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         """x [1,T,N] holding every chunk of the step; K/V go to and come from batch.kv's blocks."""
-        if _fused(x) and _is_pow2(self.head_dim) and _is_pow2(batch.kv.block_len):
-            return self._forward_fused(x, cos_sin, batch, layer)
+        c = row_case(x)
+        c = Case(c.device, c.dtype, (*c.shape, _is_pow2(self.head_dim),
+                                     _is_pow2(batch.kv.block_len), batch.kv.k[layer].dtype),
+                 c.native_rows)
+        return ATTENTION(c, self, x, cos_sin, batch, layer)
+
+    def _forward_torch(self, x: torch.Tensor, cos_sin, batch: StepBatch, layer: int,
+                       native_decode: bool) -> torch.Tensor:
+        """torch's ops: SDPA per prefill chunk and over all decode rows (padded keys masked), or
+        for the decode rows with native_decode the CPU kernel the one-call decode step runs."""
         num_tokens = x.shape[1]
         qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
         qg = qg.reshape(1, num_tokens, self.num_heads, 2 * self.head_dim)
@@ -72,8 +82,8 @@ class GatedAttention(nn.Module):
         if _fresh_graph_chunk(batch):  # no decode rows, no prefill chunks: to the gate below
             out = _fresh_chunk_attention(q, batch, layer, scale)
         rows = batch.attend_rows() if batch.decode_tables is not None else None
-        gated = None  # CPU: the native step's kernel (rows gathered only where it can run)
-        if rows is not None and q.device.type == "cpu":
+        gated = None  # CPU: the native step's kernel, the rows gated already
+        if rows is not None and native_decode:
             gated = paged_decode_attention_cpu(
                 q[0, :, rows].transpose(0, 1), gate[0, rows], batch.kv.k[layer],
                 batch.kv.v[layer], batch.decode_tables, batch.decode_lengths, scale)
@@ -133,24 +143,59 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """Triton prologue for decode-sized steps and any 16-bit step; fp32 prefill keeps the torch
-    norms, as transformers runs them (ops/norm.cuda_kernel_rows)."""
-    if not cuda_kernel_rows(x):
-        return False
-    from deltaserve.ops import triton_attention
+ATTENTION = Op("attention", "gated softmax attention of a step over the paged KV pool",
+               (*ROWS, "pow2 head dim", "pow2 block", "K/V dtype"))
 
-    return triton_attention.available()
+
+def _fused_why_not(c: Case) -> str | None:
+    """Triton prologue and paged attention for decode-sized steps and any 16-bit step; fp32
+    prefill keeps the torch norms, as transformers runs them (ops/norm.cuda_kernel_rows)."""
+    why = triton_rows_why_not(c)
+    if why is not None:
+        return why
+    if not (c.shape[2] and c.shape[3]):
+        return "head and block dims not powers of two (the kernels tile them whole)"
+    return None
+
+
+def _native_decode_why_not(c: Case) -> str | None:
+    if c.device != "cpu" or c.dtype != torch.float32 or c.shape[4] != torch.float32:
+        return "not CPU fp32 activations and K/V"
+    return None if native_lib() is not None else "no native kernels"
+
+
+@ATTENTION.register("triton_fused", 30, _fused_why_not)
+def _attention_fused(layer, x, cos_sin, batch, idx):
+    return layer._forward_fused(x, cos_sin, batch, idx)
+
+
+@ATTENTION.register("torch_native_decode", 20, _native_decode_why_not)
+def _attention_native_decode(layer, x, cos_sin, batch, idx):
+    return layer._forward_torch(x, cos_sin, batch, idx, native_decode=True)
+
+
+@ATTENTION.register(REFERENCE, 0)
+def _attention_torch(layer, x, cos_sin, batch, idx):
+    return layer._forward_torch(x, cos_sin, batch, idx, native_decode=False)
+
+
+ROTARY = Op("rotary", "partial rotary embedding of q and k", ROWS)
 
 
 def _rotary_batch(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1,HQ,T,D], k [1,HKV,T,D]; on CUDA for decode-sized steps one Triton kernel each."""
-    cos, sin = cos_sin
-    if q.is_cuda and (q.shape[2] <= 512 or q.dtype != torch.float32):
-        from deltaserve.ops import triton_rope
+    return ROTARY(row_case(q[0, 0]), q, k, *cos_sin)
 
-        if triton_rope.available():
-            return triton_rope.apply_rotary_cuda(q, cos, sin), triton_rope.apply_rotary_cuda(k, cos, sin)
+
+@ROTARY.register("triton", 30, triton_rows_why_not)
+def _rotary_triton(q, k, cos, sin):
+    from deltaserve.ops import triton_rope
+
+    return triton_rope.apply_rotary_cuda(q, cos, sin), triton_rope.apply_rotary_cuda(k, cos, sin)
+
+
+@ROTARY.register(REFERENCE, 0)
+def _rotary_torch(q, k, cos, sin):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 

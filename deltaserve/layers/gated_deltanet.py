@@ -9,9 +9,8 @@ from deltaserve.cache.batch import SNAP_GRID, StepBatch
 from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
-from deltaserve.ops.conv1d import causal_conv1d, causal_conv1d_qkv, qkv_conv_usable
-from deltaserve.ops.gdn import gdn_gates, gdn_prefill, scan_kernel_usable, takes_fla_stages
 from deltaserve.ops.gdn_decode import gdn_decode_slots
+from deltaserve.ops.gdn_prefill import gdn_prefill
 
 
 class GatedDeltaNet(nn.Module):
@@ -39,31 +38,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hidden, dtype)
 
     def _scan(self, qkv, z, b, a, conv_window, recurrent, dtype, stops=(), on_boundary=None):
-        """Prefill mixer: conv, chunked delta rule (state `recurrent` [B,HV,K,V] updated in place),
-        gated norm. Returns (o [B,T,HV*V] in dtype, new conv window)."""
+        """Prefill mixer (ops/gdn_prefill: conv, gates, chunked delta rule; state `recurrent`
+        [B,HV,K,V] updated in place), gated norm. Returns (o [B,T,HV*V] in dtype, new window)."""
         bsz, seq_len, _ = qkv.shape
-        width = self.conv1d.weight.shape[-1]
-        normed = qkv_conv_usable(qkv, width, self.key_dim, self.k_dim) and \
-            takes_fla_stages(qkv, self.k_dim, self.v_dim)
-        if normed:  # fla's stages read contiguous L2-normalised q, k: the conv writes them so
-            q, k, v, conv_window = causal_conv1d_qkv(qkv, self.conv1d.weight[:, 0], conv_window,
-                                                     self.key_dim, self.k_dim)
-        else:
-            qkv, conv_window = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv_window)
-            q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
-        k = k.reshape(bsz, seq_len, self.num_k_heads, self.k_dim)
-        v = v.reshape(bsz, seq_len, self.num_v_heads, self.v_dim)
-        in_place = recurrent.dtype == torch.float32 and recurrent.is_contiguous()
-        if in_place and scan_kernel_usable(q, v):  # one launch: gates, scan, state in place
-            from deltaserve.ops.triton_gdn_scan import gdn_scan_gated_cuda
-
-            o = gdn_scan_gated_cuda(q, k, v, a, b, self.A_log, self.dt_bias, recurrent, stops,
-                                    on_boundary)
-        else:
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [B,T,HV]
-            o, final = gdn_prefill(q, k, v, g, beta, recurrent, stops, on_boundary, normed)
-            recurrent.copy_(final)
+        o, conv_window = gdn_prefill(qkv, a, b, self.conv1d.weight[:, 0], conv_window, self.A_log,
+                                     self.dt_bias, recurrent, self.num_k_heads, stops, on_boundary)
         # z as [rows, HV*V]: a view of the projection the norm kernel reads in place
         o = self.norm(o, z.reshape(bsz * seq_len, self.value_dim), dtype)
         o = o.reshape(bsz, seq_len, self.value_dim)

@@ -6,16 +6,16 @@ in-projections) into one weight: one GEMM/GEMV instead of several, fewer passes 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.env import env
-from deltaserve.ops import triton_gemv, triton_qgemv
+from deltaserve.ops import triton_gemv
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case, rows_of, step_scratch
 from deltaserve.ops.gemv import gemm_small, gemv
 from deltaserve.ops.gemv_prologue import Prologue, apply_ref
+from deltaserve.ops.native import native_lib
 
 # From this many rows up a bf16/fp16 weight is widened once to the activation dtype and the GEMM runs
 # there (CPUs without AMX run fp32 GEMMs ~1.6x faster than bf16). Below it each row is a GEMV that
@@ -66,41 +66,27 @@ class Linear(nn.Module):
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether this layer's GEMV for input row(s) x computes a prologue itself: one CUDA row on
-        a Triton GEMV (dense: a tuned shape; packed: every layout ops/triton_qgemv reads)."""
-        if not x.is_cuda or x.numel() != x.shape[-1] or env().reference_ops \
-                or not env().gemv_prologue:
+        a Triton GEMV (dense: a tuned shape; packed: every layout ops/triton_qgemv reads), as the
+        op's dispatch chose (DELTASERVE_GEMV_PROLOGUE=0: never)."""
+        if not x.is_cuda or x.numel() != x.shape[-1] or not env().gemv_prologue:
             return False
         if self.scheme is None:
-            return _triton_gemv(x, self.weight)
-        from deltaserve.quant.linear import decode_gemv
+            return LINEAR.choose(linear_case(x, self.weight)).name == "triton_gemv"
+        from deltaserve.quant.linear import QUANT_LINEAR, quant_case
 
-        return decode_gemv(x, self.scheme) is triton_qgemv.qgemv_cuda
+        return QUANT_LINEAR.choose(quant_case(x, self)).name == "triton_qgemv"
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.out_sizes, dim=-1)
 
 
-MAX_SCRATCH_NUMEL = 64 * 1024 * 1024
-_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A view of one reused buffer per (device, dtype): no fresh allocation (and page faults) per
-    projection. Valid until the next call; the engine runs one forward at a time. Shapes over
-    MAX_SCRATCH_NUMEL (e.g. an all-positions vocab head) get their own tensor: don't pin 1 GB."""
-    numel = math.prod(shape)
-    if numel > MAX_SCRATCH_NUMEL:
+    """A view of the step's scratch arena (ops/dispatch.step_scratch), or a fresh tensor outside
+    a step that carries one."""
+    arena = step_scratch()
+    if arena is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    key = (device, dtype)
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel].view(shape)
-
-
-def release_scratch() -> None:
-    """Drop the scratch buffers (the server's idle unload frees the model's memory)."""
-    _scratch.clear()
+    return arena.view(shape, dtype, device)
 
 
 def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -110,29 +96,92 @@ def widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A CUDA decode row on a 16-bit weight whose shape has a tuned Triton GEMV: only there did
-    scripts/gpu/gemv_tune.py measure it beating cuBLAS (elsewhere F.linear stays)."""
-    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and triton_gemv.config_for(weight.shape[0], weight.shape[1]) is not None
-            and weight.is_contiguous() and not env().reference_ops and triton_gemv.available())
+LINEAR = Op("linear", "y = x W^T for a dense weight (x in the activation dtype)",
+            ("weight dtype", "one row", f"rows<={SMALL_GEMM_MAX_ROWS}", "contiguous", "tuned shape"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None = None
            ) -> torch.Tensor:
     """prologue: only where Linear.fuses_prologue said so (a decode row on the Triton GEMV)."""
-    if x.device.type == "cuda" and _triton_gemv(x, weight):
-        out = triton_gemv.gemv16_cuda(x.reshape(1, x.shape[-1]), weight, prologue=prologue)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    if prologue is not None:
+    impl = LINEAR.choose(linear_case(x, weight))
+    if prologue is not None and impl.name != "triton_gemv":
         raise ValueError("linear: a GEMV prologue needs the Triton decode GEMV")
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight)
-    rows = x.numel() // x.shape[-1]
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
-    if not cpu_fp32 or rows > SMALL_GEMM_MAX_ROWS or (rows > 1 and weight.dtype != torch.bfloat16):
-        return F.linear(x, widened(weight, x.dtype))
-    flat = x.reshape(rows, x.shape[-1])
-    out = gemv(flat, weight) if rows == 1 else gemm_small(flat, weight)
+    return impl.fn(x, weight, prologue)
+
+
+def linear_case(x: torch.Tensor, weight: torch.Tensor) -> Case:
+    rows = rows_of(x)
+    tuned = x.is_cuda and triton_gemv.config_for(weight.shape[0], weight.shape[1]) is not None
+    return case(x, (weight.dtype, rows == 1, rows <= SMALL_GEMM_MAX_ROWS,
+                    weight.is_contiguous(), tuned))
+
+
+def _triton_why_not(c: Case) -> str | None:
+    """A CUDA decode row on a 16-bit weight whose shape has a tuned Triton GEMV: only there did
+    scripts/gpu/gemv_tune.py measure it beating cuBLAS (elsewhere F.linear stays)."""
+    w_dtype, one_row, _, contiguous, tuned = c.shape
+    if c.device != "cuda" or not one_row:
+        return "not one CUDA row"
+    if c.dtype != w_dtype or c.dtype not in (torch.bfloat16, torch.float16):
+        return "not a 16-bit row on a weight of its dtype"
+    if not (tuned and contiguous):
+        return "no tuned Triton GEMV for this contiguous shape"
+    return None if triton_gemv.available() else "the triton backend is off"
+
+
+@LINEAR.register("triton_gemv", 40, _triton_why_not)
+def _linear_triton(x, weight, prologue):
+    out = triton_gemv.gemv16_cuda(x.reshape(1, x.shape[-1]), weight, prologue=prologue)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@LINEAR.register("torch", 35, lambda c: None if c.dtype == c.shape[0] else
+                 "the weight is narrower than the activations")
+def _linear_torch(x, weight, prologue):
+    return F.linear(x, weight)
+
+
+def _cpu_narrow_why_not(c: Case, one_row: bool, native: bool) -> str | None:
+    """CPU fp32 rows on a narrower weight (the torch verifier took equal dtypes), one row or a
+    decode batch of 2..SMALL_GEMM_MAX_ROWS: a pass that streams the weight once, never widened
+    (native: the bf16 kernels, a contiguous weight)."""
+    w_dtype, single, small, contiguous, _ = c.shape
+    if c.device != "cpu" or c.dtype != torch.float32:
+        return "not CPU fp32 activations"
+    if single != one_row or not small:
+        return "not one row" if one_row else f"not 2..{SMALL_GEMM_MAX_ROWS} rows"
+    if native and (w_dtype != torch.bfloat16 or not contiguous):
+        return "not a contiguous bf16 weight"
+    if native and native_lib() is None:
+        return "no native kernels"
+    return None
+
+
+@LINEAR.register("native_gemv", 30, lambda c: _cpu_narrow_why_not(c, True, True))
+def _linear_native_gemv(x, weight, prologue):
+    return gemv(x.reshape(1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@LINEAR.register("torch_narrow", 25, lambda c: _cpu_narrow_why_not(c, True, False))
+def _linear_narrow(x, weight, prologue):
+    """torch's own narrow GEMV: fast, but rounds x and y to the weight dtype."""
+    flat = x.reshape(1, x.shape[-1])
+    return F.linear(flat.to(weight.dtype), weight).float().reshape(*x.shape[:-1], weight.shape[0])
+
+
+@LINEAR.register("native_gemm_small", 20, lambda c: _cpu_narrow_why_not(c, False, True))
+def _linear_gemm_small(x, weight, prologue):
+    out = gemm_small(x.reshape(-1, x.shape[-1]), weight)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@LINEAR.register("widen", 10)
+def _linear_widen(x, weight, prologue):
+    """From WIDEN_MIN_ROWS rows (or off the narrow kernels) the weight widened once into the
+    scratch buffer, then the activation dtype's GEMM."""
+    return F.linear(x, widened(weight, x.dtype))
+
+
+@LINEAR.register(REFERENCE, 0)
+def _linear_reference(x, weight, prologue):
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))

@@ -14,7 +14,7 @@ from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
 from deltaserve.ops import decode_step
-from deltaserve.ops import norm as norm_ops
+from deltaserve.ops.dispatch import stepping
 from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
 
@@ -104,33 +104,37 @@ class Qwen3_5ForCausalLM(nn.Module):
         greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised).
         inject (rows [R] int64, embeddings [R,N]): those rows of the step take the given input
         embeddings instead of their token's (image placeholders take the vision tower's output)."""
-        plan = self._native_plan(batch) if inject is None else None
-        if plan is not None:  # a CPU decode/verify step: every layer in one native call
-            x = self._stage_input(input_ids[None])
-            cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
-            steps, _buffers = decode_step.gdn_steps(batch, self.model.layers)  # alive for run
-            h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
-            if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
-                self.last_hidden = h
-            return self._head(h, greedy)
-        h = self.hidden_batch(input_ids, batch, inject)
-        if h is None:  # the last stage's output comes back: [rows] tokens or [rows, V]
-            rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
-            return self.pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
-                                 torch.int64 if greedy else torch.float32)
-        if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
-            h = h.index_select(0, batch.graph_chunk.last_row())
-        elif not all_logits and batch.prefill:
-            h = h.index_select(0, batch.logit_index())
-        out = self._head(h, greedy)
-        return out if self.pp is None else self.pp.share(out, tuple(out.shape), out.dtype)
+        with stepping(batch.native_rows, batch.scratch):
+            plan = self._native_plan(batch) if inject is None else None
+            if plan is not None:  # a CPU decode/verify step: every layer in one native call
+                x = self._stage_input(input_ids[None])
+                cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
+                steps, _buffers = decode_step.gdn_steps(batch, self.model.layers)  # alive for run
+                h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
+                if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
+                    self.last_hidden = h
+                return self._head(h, greedy)
+            h = self.hidden_batch(input_ids, batch, inject)
+            if h is None:  # the last stage's output comes back: [rows] tokens or [rows, V]
+                rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
+                return self.pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
+                                     torch.int64 if greedy else torch.float32)
+            if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
+                h = h.index_select(0, batch.graph_chunk.last_row())
+            elif not all_logits and batch.prefill:
+                h = h.index_select(0, batch.logit_index())
+            out = self._head(h, greedy)
+            return out if self.pp is None else self.pp.share(out, tuple(out.shape), out.dtype)
 
     @torch.inference_mode()
     def hidden_batch(self, input_ids: torch.Tensor, batch: StepBatch,
                      inject: Injection | None = None) -> torch.Tensor | None:
         """The final-normed hidden states [T,N] of every row of the step; None on a pipeline
         stage before the last, which sends its residual stream on."""
-        x = self._stage_input(input_ids[None], inject)
+        with stepping(batch.native_rows, batch.scratch):
+            return self._layers(self._stage_input(input_ids[None], inject), batch)
+
+    def _layers(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
         layers, pp = self.model.layers, self.pp
         last_stage = pp is None or pp.is_last
@@ -157,10 +161,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     def _native_plan(self, batch: StepBatch):
         """The native decode plan when this step is decode and draft-verify rows only on CPU, no
         more of them than the plan's kernels take (no tensor or pipeline split), else None. Only
-        within ops/norm.native_rows (the runner's decode-only steps): there the layered path runs
-        the per-row kernels the plan runs, so both give the same bits."""
+        for batch.native_rows (the runner's decode-only steps): there the layered path runs the
+        per-row kernels the plan runs, so both give the same bits."""
         if batch.prefill or batch.graph_chunk is not None or self.tp is not None \
-                or self.pp is not None or self.device.type != "cpu" or not norm_ops.all_rows_native() \
+                or self.pp is not None or self.device.type != "cpu" or not batch.native_rows \
                 or (batch.verify and batch.spec is None):  # verify rows need their record
             return None
         key = decode_step.pools_key(batch.states, batch.kv)

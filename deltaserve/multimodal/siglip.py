@@ -14,6 +14,7 @@ from torch import nn
 from deltaserve.layers.linear import Linear
 from deltaserve.multimodal.config import VisionConfig
 from deltaserve.ops import gemm_amx
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
 
 
 class BiasLinear(Linear):
@@ -39,6 +40,10 @@ class BiasLinear(Linear):
         return False  # forward's second argument is a residual, not a GEMV prologue
 
 
+VISION_LINEAR = Op("vision_linear", "[residual +] [gelu_tanh](x W^T + b) of the vision tower",
+                   ("rows>=AMX MIN_ROWS",))
+
+
 def amx_or_linear(
     owner: nn.Module,
     x: torch.Tensor,
@@ -50,14 +55,26 @@ def amx_or_linear(
     """[residual +] [gelu_tanh](F.linear(x, weight, bias)); on a CPU with AMX and fp32 activations
     of MIN_ROWS+ rows, the bf16x2 split GEMM with the rest in its epilogue (ops/gemm_amx.py: fp32
     results, ~1e-6 relative, 2-4x faster than torch's fp32 GEMM there)."""
-    if (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() >= gemm_amx.MIN_ROWS * x.shape[-1]
-        and gemm_amx.available()
-    ):
-        packed = gemm_amx.packed_for(owner, weight)
-        return gemm_amx.gemm_amx(x, packed, bias, residual, gelu_tanh)
+    c = case(x, (x.numel() >= gemm_amx.MIN_ROWS * x.shape[-1],))
+    return VISION_LINEAR(c, owner, x, weight, bias, residual, gelu_tanh)
+
+
+def _amx_why_not(c: Case) -> str | None:
+    if c.device != "cpu" or c.dtype != torch.float32:
+        return "not CPU fp32 activations"
+    if not c.shape[0]:
+        return f"fewer than {gemm_amx.MIN_ROWS} rows"
+    return None if gemm_amx.available() else "no AMX kernel here (or DELTASERVE_AMX=0)"
+
+
+@VISION_LINEAR.register("amx", 30, _amx_why_not)
+def _vision_linear_amx(owner, x, weight, bias, residual, gelu_tanh):
+    packed = gemm_amx.packed_for(owner, weight)
+    return gemm_amx.gemm_amx(x, packed, bias, residual, gelu_tanh)
+
+
+@VISION_LINEAR.register(REFERENCE, 0)
+def _vision_linear_torch(owner, x, weight, bias, residual, gelu_tanh):
     y = F.linear(x, weight, bias)
     if gelu_tanh:
         y = F.gelu(y, approximate="tanh")

@@ -7,9 +7,9 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from deltaserve.env import env
+from deltaserve.ops.dispatch import REFERENCE, Case, Op
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.norm import _all_rows_native, cuda_kernel_rows
+from deltaserve.ops.norm import ROWS, native_why_not, row_case, triton_rows_why_not
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -26,26 +26,34 @@ def sigmoid_gate_ref(o: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     return (o.transpose(0, 1) * torch.sigmoid(gate)).flatten(1)
 
 
+SILU_MUL = Op("silu_mul", "the MLP gate: silu(gate) * up over the halves of gate|up", ROWS)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Same contract as silu_mul_ref (the Triton kernel computes in fp32 and rounds once)."""
-    if cuda_kernel_rows(gate_up):
-        from deltaserve.ops import triton_act
-
-        if triton_act.available():
-            return triton_act.silu_mul_cuda(gate_up)
-    out = _silu_mul_native(gate_up)
-    return silu_mul_ref(gate_up) if out is None else out
+    return SILU_MUL(row_case(gate_up), gate_up)
 
 
-def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """Steps without prefill chunks (decodes, draft verification; ops/norm.native_rows) on CPU
-    fp32: the C loop the one-call decode step (ops/decode_step.py) runs, so both give the same
-    bits. Prefill chunks of any size keep torch's vector op (a prefix-cache hit's short tail then
-    computes as the miss's long chunk does)."""
+@SILU_MUL.register("triton", 30, triton_rows_why_not)
+def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    from deltaserve.ops import triton_act
+
+    return triton_act.silu_mul_cuda(gate_up)
+
+
+def _native_why_not(c: Case) -> str | None:
+    """Steps without prefill chunks (decodes, draft verification) on CPU fp32: the C loop the
+    one-call decode step (ops/decode_step.py) runs, so both give the same bits. Prefill chunks of
+    any size keep torch's vector op (a prefix-cache hit's short tail then computes as the miss's
+    long chunk does)."""
+    if not c.native_rows:
+        return "a step with prefill chunks keeps torch's op"
+    return native_why_not(c)
+
+
+@SILU_MUL.register("native", 20, _native_why_not)
+def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     lib = native_lib()
-    if lib is None or env().reference_ops or gate_up.device.type != "cpu" \
-            or gate_up.dtype != torch.float32 or not _all_rows_native[0]:
-        return None
     rows = gate_up.numel() // gate_up.shape[-1]
     fn = lib.ds_silu_mul
     if fn.argtypes is None:  # registered beside its one Python caller
@@ -56,3 +64,6 @@ def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     fn(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
+
+
+SILU_MUL.register(REFERENCE, 0)(silu_mul_ref)

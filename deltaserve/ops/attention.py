@@ -174,16 +174,12 @@ def paged_decode_attention_ref(q: torch.Tensor, proj: torch.Tensor, k_pool: torc
 
 def paged_decode_attention_cpu(q: torch.Tensor, gate: torch.Tensor, k_pool: torch.Tensor,
                                v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-                               scale: float) -> torch.Tensor | None:
+                               scale: float) -> torch.Tensor:
     """paged_decode_attention_ref's contract with the gate given apart (gate [B, HQ, D]), on CPU
     fp32 by the native kernel that the one-call decode step (ops/decode_step.py) also runs, so a
-    decode or draft-verify row computed either way is the same bits. None where it cannot run."""
-    lib = native_lib()
-    tensors = (q, gate, k_pool, v_pool)
-    if lib is None or env().reference_ops or any(
-            t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    fn = lib.ds_attend_rows
+    decode or draft-verify row computed either way is the same bits (its dispatch,
+    layers/attention.ATTENTION, checked the kernels are built and every tensor CPU fp32)."""
+    fn = native_lib().ds_attend_rows
     if fn.argtypes is None:  # registered beside its one Python caller
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 2 + [ctypes.c_long]
                        + [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
+
+CAUSAL_CONV1D = Op("causal_conv1d", "GDN short convolution with a carried window, then SiLU",
+                   ("prefill of T>=W-1",))
+
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
@@ -17,10 +22,33 @@ def causal_conv1d(
     width = weight.shape[-1]
     if window is None:
         window = x.new_zeros(bsz, channels, width - 1)
-    if seq_len >= width - 1 and _triton_prefill(x):
-        from deltaserve.ops.triton_conv1d import causal_conv1d_cuda
+    return CAUSAL_CONV1D(case(x, (seq_len > 1 and seq_len >= width - 1,)), x, weight, window)
 
-        return causal_conv1d_cuda(x, weight, window), _last_inputs(x, width, window.dtype)
+
+def _triton_why_not(c: Case) -> str | None:
+    """16-bit CUDA prefill chunks of at least W-1 tokens (the new window is then the chunk's own
+    last inputs): the one-pass Triton conv; fp32 keeps torch's, as transformers computes it (the
+    fp32 parity margins)."""
+    if c.device != "cuda" or c.dtype == torch.float32:
+        return "not 16-bit CUDA activations"
+    if not c.shape[0]:
+        return "a decode row or fewer tokens than the window"
+    from deltaserve.ops import triton_conv1d
+
+    return None if triton_conv1d.available() else "the triton backend is off"
+
+
+@CAUSAL_CONV1D.register("triton", 30, _triton_why_not)
+def _causal_conv1d_triton(x, weight, window):
+    from deltaserve.ops.triton_conv1d import causal_conv1d_cuda
+
+    width = weight.shape[-1]
+    return causal_conv1d_cuda(x, weight, window), _last_inputs(x, width, window.dtype)
+
+
+@CAUSAL_CONV1D.register(REFERENCE, 0)
+def _causal_conv1d_torch(x, weight, window):
+    seq_len, width = x.shape[1], weight.shape[-1]
     # time-major [B,W-1+T,C]: each tap is a contiguous shifted slice, broadcast over channels
     full = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
     taps = weight.t().to(x.dtype)  # [W,C]
@@ -34,19 +62,9 @@ def causal_conv1d(
     return F.silu(out), new_window
 
 
-def qkv_conv_usable(x: torch.Tensor, width: int, key_dim: int, head_dim: int) -> bool:
-    """causal_conv1d_qkv runs for x: the Triton prefill conv with whole heads per tile, at least
-    W-1 tokens (the new window is the chunk's own last inputs)."""
-    from deltaserve.env import env
-    from deltaserve.ops import triton_conv1d
-
-    return (env().conv_qkv and x.shape[1] >= width - 1 and _triton_prefill(x)
-            and triton_conv1d.qkv_usable(key_dim, head_dim))
-
-
 def causal_conv1d_qkv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                       key_dim: int, head_dim: int):
-    """causal_conv1d for fla's stages (qkv_conv_usable(x)): (l2norm(q), l2norm(k), v, each
+    """causal_conv1d for fla's stages (ops/gdn_prefill): (l2norm(q), l2norm(k), v, each
     contiguous [B,T,*], new window [B,C,W-1]); spec: causal_conv1d_qkv_ref."""
     from deltaserve.ops.triton_conv1d import causal_conv1d_qkv_cuda
 
@@ -60,16 +78,6 @@ def causal_conv1d_qkv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tenso
 def _last_inputs(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The new conv window of a chunk x [B,T,C] with T >= W-1: its last W-1 inputs [B,C,W-1]."""
     return x[:, x.shape[1] - (width - 1) :].transpose(1, 2).to(dtype).contiguous()
-
-
-def _triton_prefill(x: torch.Tensor) -> bool:
-    """16-bit CUDA prefill chunks: the one-pass Triton conv (fp32 keeps torch's, as transformers
-    computes it, for the fp32 parity margins)."""
-    from deltaserve.env import env
-    from deltaserve.ops import triton_conv1d
-
-    return (x.is_cuda and x.dtype != torch.float32 and x.shape[1] > 1
-            and not env().reference_ops and triton_conv1d.available())
 
 
 def causal_conv1d_ref(

@@ -18,6 +18,7 @@ import torch
 
 from deltaserve.config import FULL
 from deltaserve.env import env
+from deltaserve.ops.dispatch import REFERENCE, Case, Op
 from deltaserve.ops.native import native_lib
 from deltaserve.ops.qgemv import a4_is_vnni, q8_is_vnni, scales_of
 
@@ -191,13 +192,30 @@ def pools_key(states, kv) -> tuple:
     return tuple(None if t is None else t.data_ptr() for t in pools) + (kv.block_len,)
 
 
+DECODE_STEP = Op("decode_step", "a CPU step of decode and verify rows: every layer in one "
+                 "native call, or layer by layer (the reference)")
+
+
+def _native_why_not(c: Case) -> str | None:
+    if c.device != "cpu" or c.dtype != torch.float32:
+        return "not CPU fp32 activations"
+    if not env().fused_decode:
+        return "DELTASERVE_FUSED_DECODE=0"
+    lib = native_lib()
+    return None if lib is not None and hasattr(lib, "ds_decode_rows") else "no native kernels"
+
+
+DECODE_STEP.strategy("native", 30, _native_why_not)
+DECODE_STEP.strategy(REFERENCE, 0)  # the layers: models/qwen3_5.forward_batch without a plan
+
+
 def build_plan(lm, states, kv) -> DecodePlan | None:
     """The plan for Qwen3_5ForCausalLM `lm` over these pools, or None where some part has no native
-    kernel (then the layered path runs): needs the C library, fp32 activations and pools on CPU."""
+    kernel or DECODE_STEP does not choose it (then the layered path runs): needs the C library,
+    fp32 activations and pools on CPU."""
     lib = native_lib()
     cfg = lm.cfg
-    if lib is None or env().reference_ops or not env().fused_decode or lm.device.type != "cpu" \
-            or lm.act_dtype != torch.float32 or not hasattr(lib, "ds_decode_rows"):
+    if not DECODE_STEP.chooses(Case(lm.device.type, lm.act_dtype, (), True), "native"):
         return None
     if any(t is not None and t.dtype != torch.float32 for t in (*states.conv, *kv.k, *kv.v)):
         return None

@@ -8,8 +8,6 @@ S <- S*exp(g); d = (v - S^T k)*beta; S <- S + k d^T; o = S^T q.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -146,91 +144,6 @@ def gdn_chunked(
             on_boundary((c + 1) * chunk_len, s)
     out = out.reshape(bsz, num_heads, -1, v_dim)[:, :, :seq_len].transpose(1, 2)
     return out, s
-
-
-def fla_usable(q: torch.Tensor) -> bool:
-    """fla-core's chunk kernel for the prefill scan: CUDA, 16-bit activations (in fp32 mode its
-    tensor-core dots would round to TF32; the torch scan keeps fp32 exact), the triton backend."""
-    from deltaserve.env import env
-    from deltaserve.ops.backend import triton_enabled
-
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and env().fla
-            and not env().reference_ops and triton_enabled()
-            and _fla_installed())
-
-
-@functools.cache
-def _fla_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("fla") is not None
-
-
-SCAN_MAX_TOKENS = 128  # CUDA: chunks up to this many tokens take the one-launch recurrent scan
-
-
-def scan_kernel_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """ops/triton_gdn_scan for a short chunk on CUDA (triton backend): one launch per layer where
-    fla's kernel costs ~0.7 ms of host time (SCAN_MAX_TOKENS: scripts/gpu/scan_tune.py)."""
-    return _scan_kernel_takes(q, q.shape[1], q.shape[-1], v.shape[-1])
-
-
-def _scan_kernel_takes(x: torch.Tensor, seq_len: int, k_dim: int, v_dim: int) -> bool:
-    from deltaserve.env import env
-    from deltaserve.ops.backend import triton_enabled
-
-    return (x.is_cuda and seq_len <= SCAN_MAX_TOKENS and v_dim % 32 == 0
-            and k_dim & (k_dim - 1) == 0 and not env().reference_ops and triton_enabled())
-
-
-def takes_fla_stages(x: torch.Tensor, k_dim: int, v_dim: int) -> bool:
-    """gdn_prefill on a chunk like x [B,T,...] runs ops/fla_scan's stages (so its q and k may come
-    L2-normalised already: qk_normed)."""
-    if _scan_kernel_takes(x, x.shape[1], k_dim, v_dim) or not fla_usable(x):
-        return False
-    from deltaserve.ops.fla_scan import stages_available
-
-    return stages_available()
-
-
-def takes_fla_stages_at(num_tokens: int, dtype: torch.dtype, device, k_dim: int, v_dim: int
-                        ) -> bool:
-    """takes_fla_stages for a chunk of num_tokens rows of dtype on device (asked at start-up,
-    before any chunk exists)."""
-    probe = torch.empty(1, num_tokens, 1, dtype=dtype, device=device)
-    return takes_fla_stages(probe, k_dim, v_dim)
-
-
-def gdn_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, stops: tuple[int, ...] = (), on_boundary=None, qk_normed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill scan with qk L2 norms (qk_normed: q and k come normalised, contiguous; only
-    where takes_fla_stages). q, k [B,T,H,K] (H key heads: value head h reads key
-    head h // (HV/H)); v [B,T,HV,V]; g, beta [B,T,HV] fp32; state [B,HV,K,V] fp32 (read, not
-    written). Returns (o [B,T,HV,V], final state fp32); on_boundary(n, state) is called at least
-    at each n in `stops` (token counts, sorted, in (0, T]).
-
-    Short chunks on CUDA: the recurrent Triton scan; longer 16-bit ones: fla-core's stages
-    (ops/fla_scan, one pass over all segments between stops); else gdn_chunked."""
-    if qk_normed:  # the caller asked takes_fla_stages (GatedDeltaNet._scan, once per layer call)
-        from deltaserve.ops.fla_scan import fla_prefill
-
-        return fla_prefill(q, k, v, g, beta, state, stops, on_boundary, qk_normed=True)
-    if scan_kernel_usable(q, v):
-        from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda
-
-        return gdn_scan_cuda(q, k, v, g, beta, state, stops, on_boundary)
-    repeat = v.shape[2] // q.shape[2]
-    if not fla_usable(q):
-        if repeat > 1:
-            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        return gdn_chunked(q, k, v, g, beta, state, qk_l2norm=True, on_boundary=on_boundary)
-    from deltaserve.ops.fla_scan import fla_prefill, stages_available
-
-    if stages_available():
-        return fla_prefill(q, k, v, g, beta, state, stops, on_boundary)
-    return fla_public_prefill(q, k, v, g, beta, state, stops, on_boundary)
 
 
 def fla_public_prefill(q, k, v, g, beta, state, stops=(), on_boundary=None):

@@ -7,8 +7,8 @@ import ctypes
 
 import torch
 
-from deltaserve.env import env
 from deltaserve.ops.conv1d import causal_conv1d
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
 from deltaserve.ops.gdn import gdn_gates, gdn_step
 from deltaserve.ops.native import native_lib
 from deltaserve.ops.norm import gated_rms_norm_ref
@@ -47,6 +47,10 @@ def gdn_decode_slots_ref(
     return out
 
 
+GDN_DECODE = Op("gdn_decode", "GDN decode step on pool slots: conv window, qk norms, gates, "
+                 "delta rule, gated norm", ("all fp32", "W", "K", "V"))
+
+
 def gdn_decode_slots(
     qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
     eps: float, num_k_heads: int, out: torch.Tensor | None = None,
@@ -54,30 +58,48 @@ def gdn_decode_slots(
     """Same contract as gdn_decode_slots_ref; the native kernel (CPU) or the Triton kernel (CUDA)
     update the pool rows in place. With `out` [B, HV*V] (any float dtype) the result is written
     there (the Triton kernel stores it directly in out's dtype) and out is returned."""
-    if qkv.device.type == "cuda" and not env().reference_ops:
-        from deltaserve.ops import triton_gdn_decode
+    fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, conv_pool, conv_w, state_pool))
+    c = case(qkv, (fp32, conv_pool.shape[-1] + 1, *state_pool.shape[-2:]))
+    return GDN_DECODE(c, qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots,
+                      norm_w, eps, num_k_heads, out)
 
-        k_dim, v_dim = state_pool.shape[-2:]  # the kernels tile K and V whole: powers of two
-        if triton_gdn_decode.available() and conv_pool.shape[-1] == 3 and \
-                k_dim & (k_dim - 1) == 0 and v_dim & (v_dim - 1) == 0:  # width-4 conv
-            return triton_gdn_decode.gdn_decode_slots_cuda(
-                qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots, norm_w, eps,
-                num_k_heads, out)
-    result = _gdn_decode_slots_host(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool,
-                                    slots, norm_w, eps, num_k_heads)
+
+def _triton_why_not(c: Case) -> str | None:
+    _, width, k_dim, v_dim = c.shape
+    if c.device != "cuda":
+        return "not a CUDA tensor"
+    if width != 4 or k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
+        return "the kernels take width-4 convs and power-of-two head dims (tiled whole)"
+    from deltaserve.ops.backend import triton_enabled
+
+    return None if triton_enabled() else "the triton backend is off"
+
+
+@GDN_DECODE.register("triton", 30, _triton_why_not)
+def _gdn_decode_triton(*args):
+    from deltaserve.ops import triton_gdn_decode
+
+    return triton_gdn_decode.gdn_decode_slots_cuda(*args)
+
+
+def _native_why_not(c: Case) -> str | None:
+    if c.device != "cpu" or not c.shape[0]:
+        return "not CPU fp32 tensors"
+    return None if native_lib() is not None else "no native kernels"
+
+
+@GDN_DECODE.register(REFERENCE, 0)
+def _gdn_decode_torch(*args):
+    *args, out = args
+    result = gdn_decode_slots_ref(*args)
     return result if out is None else out.copy_(result)
 
 
-def _gdn_decode_slots_host(
-    qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots: torch.Tensor, norm_w,
-    eps: float, num_k_heads: int,
-) -> torch.Tensor:
-    """The native kernel on CPU fp32, else the reference."""
+@GDN_DECODE.register("native", 20, _native_why_not)
+def _gdn_decode_native(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool, slots,
+                       norm_w, eps, num_k_heads, dest):
+    """The C kernel on CPU fp32: every row's state and window updated in place."""
     lib = native_lib()
-    fp32 = all(t.dtype == torch.float32 for t in (qkv, z, b, a, conv_pool, conv_w, state_pool))
-    if lib is None or env().reference_ops or qkv.device.type != "cpu" or not fp32:
-        return gdn_decode_slots_ref(qkv, z, b, a, conv_pool, conv_w, a_log, dt_bias, state_pool,
-                                    slots, norm_w, eps, num_k_heads)
     fn = lib.ds_gdn_decode_slots
     if fn.argtypes is None:  # registered here: the signature lives beside its one caller
         fn.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
@@ -92,4 +114,4 @@ def _gdn_decode_slots_host(
             params[3].data_ptr(), out.data_ptr(), slots.data_ptr()]
     fn(*ptrs, qkv.shape[0], num_k_heads, num_heads, k_dim, v_dim, conv_w.shape[1], eps,
        torch.get_num_threads())
-    return out
+    return out if dest is None else dest.copy_(out)

@@ -45,9 +45,8 @@ def _kernel():
 
 
 def available() -> bool:
-    """Whether the AMX kernel runs here and is allowed (DELTASERVE_AMX, DELTASERVE_REFERENCE_OPS)."""
-    e = env()
-    return e.amx and not e.reference_ops and _kernel() is not None
+    """Whether the AMX kernel runs here and is allowed (DELTASERVE_AMX)."""
+    return env().amx and _kernel() is not None
 
 
 def _round_up(n: int) -> int:

@@ -12,7 +12,6 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from deltaserve.env import env
 from deltaserve.ops.native import native_lib
 
 
@@ -22,13 +21,9 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1,K] fp32 (CPU); weight [N,K] -> [1,N] fp32."""
+    """x [1,K] fp32 (CPU); weight [N,K] bf16 contiguous -> [1,N] fp32 (the native kernel: its
+    dispatch, layers/linear.LINEAR, checked it is built)."""
     lib = native_lib()
-    if env().reference_ops:
-        return gemv_ref(x, weight)
-    if lib is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-        # torch's own narrow GEMV: fast, but rounds x and y to the weight dtype
-        return F.linear(x.to(weight.dtype), weight).float()
     x = x.contiguous()
     out = torch.empty(1, weight.shape[0], dtype=torch.float32)
     lib.ds_gemv_bf16(
@@ -43,13 +38,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M,K] fp32 (CPU, small M: a decode batch); weight [N,K] bf16 -> [M,N] fp32, the weight
-    streamed once for all M rows (ds_gemm_bf16), fp32 math as in gemv."""
-    lib = native_lib()
-    if env().reference_ops or lib is None or weight.dtype != torch.bfloat16 \
-            or not weight.is_contiguous():
-        return gemv_ref(x, weight)
-    fn = lib.ds_gemm_bf16
+    """x [M,K] fp32 (CPU, small M: a decode batch); weight [N,K] bf16 contiguous -> [M,N] fp32,
+    the weight streamed once for all M rows (ds_gemm_bf16), fp32 math as in gemv."""
+    fn = native_lib().ds_gemm_bf16
     if fn.argtypes is None:  # registered beside its one caller
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
         fn.restype = None

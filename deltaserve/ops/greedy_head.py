@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
+
 TILE_ROWS = 32768
 
 
@@ -27,32 +29,47 @@ def _rows_of(module, start: int, end: int):
     return view
 
 
+GREEDY_HEAD = Op("greedy_head", "argmax tokens of the head's logits, never materialised",
+                 ("scheme", "rows within the kernel", "rows<=8"))
+
+
 def greedy_tokens(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torch.Tensor:
     """h [R, N] final hidden states; head: the module whose weight [vocab, N] maps them to logits
     (maybe quantized). Returns argmax tokens [R] int64. On CUDA (Triton) the head and the argmax
     are one kernel (ops/triton_head); elsewhere greedy_tokens_ref."""
-    fused = _fused_head(h, head)
-    if fused is not None:
-        return fused(h)
-    return greedy_tokens_ref(h, head, tile_rows)
-
-
-def _fused_head(h: torch.Tensor, head):
-    from deltaserve.env import env
     from deltaserve.ops import triton_head
 
-    if not h.is_cuda or env().reference_ops or not triton_head.available():
-        return None
-    if h.shape[0] > triton_head.MAX_ROWS:
-        return None
-    scheme = getattr(head, "scheme", None)
-    if scheme is None:
-        return lambda x: triton_head.greedy_dense_cuda(x, head.weight)
+    rows = h.shape[0]
+    c = case(h, (getattr(head, "scheme", None), rows <= triton_head.MAX_ROWS, rows <= 8))
+    return GREEDY_HEAD(c, h, head, tile_rows)
+
+
+def _triton_why_not(c: Case, packed: bool) -> str | None:
+    from deltaserve.ops import triton_head
     from deltaserve.ops.triton_qgemv import supports
 
-    if supports(scheme) and h.shape[0] <= 8:
-        return lambda x: triton_head.greedy_packed_cuda(x, head)
-    return None
+    scheme, within, few = c.shape
+    if c.device != "cuda":
+        return "not a CUDA tensor"
+    if (scheme is not None) != packed:
+        return "a packed head" if scheme is not None else "a dense head"
+    if not within or (packed and not (few and supports(scheme))):
+        return "too many rows, or a layout the kernel does not read"
+    return None if triton_head.available() else "the triton backend is off"
+
+
+@GREEDY_HEAD.register("triton_dense", 30, lambda c: _triton_why_not(c, False))
+def _greedy_dense(h, head, tile_rows):
+    from deltaserve.ops import triton_head
+
+    return triton_head.greedy_dense_cuda(h, head.weight)
+
+
+@GREEDY_HEAD.register("triton_packed", 30, lambda c: _triton_why_not(c, True))
+def _greedy_packed(h, head, tile_rows):
+    from deltaserve.ops import triton_head
+
+    return triton_head.greedy_packed_cuda(h, head)
 
 
 def greedy_tokens_ref(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torch.Tensor:
@@ -73,3 +90,6 @@ def greedy_tokens_ref(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torc
         best_val = torch.where(better, val, best_val)
         best_idx = torch.where(better, idx + start, best_idx)
     return best_idx
+
+
+GREEDY_HEAD.register(REFERENCE, 0)(greedy_tokens_ref)

@@ -78,7 +78,7 @@ def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
     covers the layout, else the reference dequantizer."""
     lib = native_lib()
     kind = _NATIVE_KINDS.get((scheme.kind, scheme.bits))
-    if lib is None or kind is None or env().reference_ops or out.device.type != "cpu":
+    if lib is None or kind is None or out.device.type != "cpu":
         return out.copy_(dequantize(p, scheme, out.dtype))
     w = p["weight"].contiguous()
     s, b, scale_kind = scales_of(p, scheme)
@@ -169,7 +169,7 @@ def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]
-    native = lib is not None and not env().reference_ops and x.device.type == "cpu"
+    native = lib is not None and x.device.type == "cpu"
     if not native or (scheme.kind, scheme.bits) not in _STEMS:
         return qgemv_ref(x, p, scheme)
     w = p["weight"].contiguous()
@@ -186,7 +186,7 @@ def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
 def _multi_row_kernel(lib, scheme: Scheme, n: int, k: int):
     """The multi-row kernel that gives each row its GEMV's bits for this weight: int8 and 4-bit
     affine (the VNNI or the exact fp32 one, as its GEMV); else None (q1, other layouts)."""
-    if lib is None or env().reference_ops or (scheme.kind, scheme.bits) not in _STEMS:
+    if lib is None or (scheme.kind, scheme.bits) not in _STEMS:
         return None
     return _kernel(lib, scheme, n, k, multi=True)
 

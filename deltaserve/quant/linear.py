@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
-from deltaserve.ops import triton_qgemm, triton_qgemv
-from deltaserve.ops.norm import _all_rows_native
+from deltaserve.ops import dispatch, triton_qgemm, triton_qgemv
+from deltaserve.ops.dispatch import REFERENCE, Case, Op, case, rows_of
 from deltaserve.ops.qgemv import dequantize_into, qgemm_max_rows, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
 
@@ -30,7 +30,7 @@ from deltaserve.quant.schemes import Scheme, dequantize
 # vocabulary head 8 rows 114 ms vs 658 ms, 16 rows 340 vs 621, 32 rows 515 vs 544; the 7168-row
 # gate|up 16 rows 4.2 vs 5.0 ms, 32 rows 8.4 vs 6.1 (docs/journal/2026-11-29-issue-5-batching.md).
 CPU_GEMV_MAX_ROWS = 16
-# In steps without prefill chunks (ops/norm.native_rows) int8 and 4-bit affine decode rows go
+# In steps without prefill chunks (StepBatch.native_rows) int8 and 4-bit affine decode rows go
 # further, up to ops/qgemv.QGEMM_MAX_ROWS, on the multi-row kernels; prefill chunks keep the limit
 # above, so their numerics never depend on this.
 
@@ -115,55 +115,94 @@ def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_into(packed(module), module.scheme, out)
 
 
-def decode_gemv(x: torch.Tensor, scheme):
-    """The GEMV that reads packed codes for x's device, or None (then: dequantize + F.linear)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return qgemv
-    if x.device.type == "cuda" and triton_qgemv.supports(scheme) and triton_qgemv.available():
-        return triton_qgemv.qgemv_cuda
-    return None
-
-
-def _batch_gemm(x: torch.Tensor, scheme) -> bool:
-    """A decode batch of rows on CUDA with int8 weights: the Triton GEMM that dequantizes in
-    registers (ops/triton_qgemm) instead of a dequantized copy per step."""
-    from deltaserve.env import env
-
-    return (x.device.type == "cuda" and scheme.kind == "int8" and not env().reference_ops
-            and triton_qgemm.available() and triton_qgemm.supports(scheme))
+QUANT_LINEAR = Op("quant_linear", "y = x W^T for a packed (int8 / 4-bit / 1-bit) weight",
+                  ("scheme", "one row", "Triton GEMM rows", "packed GEMV rows"))
 
 
 def quant_linear(x: torch.Tensor, module: nn.Module, prologue=None) -> torch.Tensor:
     """y = x W^T for a quantized module; x [..., K] in the activation dtype. prologue
     (ops/gemv_prologue): only where Linear.fuses_prologue said so (one row on the Triton GEMV)."""
-    rows = x.numel() // x.shape[-1]
-    if prologue is not None:
-        out = triton_qgemv.qgemv_cuda(x.reshape(1, x.shape[-1]), packed(module), module.scheme,
-                                      prologue=prologue)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    if 1 < rows <= triton_qgemm.MAX_ROWS and _batch_gemm(x, module.scheme):
-        flat = x.reshape(rows, x.shape[-1])
-        out = triton_qgemm.qgemm_cuda(flat, packed(module), module.scheme)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return QUANT_LINEAR(quant_case(x, module), x, module, prologue)
+
+
+def quant_case(x: torch.Tensor, module: nn.Module) -> Case:
+    """The case of x on this module: its scheme and row class (one row; a Triton GEMM batch; rows
+    that stay on the packed-code GEMVs)."""
+    rows = rows_of(x)
     max_rows = WIDEN_MIN_ROWS - 1
     if x.device.type == "cpu":  # decode-only steps: up to 32 int8 / int4 rows, multi-row kernels
         # (decode_max_rows is never under CPU_GEMV_MAX_ROWS: fewer rows need not ask)
         max_rows = decode_max_rows(module.scheme, module.weight.shape[0], module.in_cols) \
-            if _all_rows_native[0] and rows > CPU_GEMV_MAX_ROWS else CPU_GEMV_MAX_ROWS
-    gemv = decode_gemv(x, module.scheme) if rows <= max_rows else None
-    if gemv is None:
-        return F.linear(x, dequantized(module, x.dtype))
-    flat = x.reshape(rows, x.shape[-1])
-    if x.device.type == "cpu":  # the CPU GEMVs take fp32 x, give fp32 y; CUDA's keep x's dtype
-        flat = flat.float()
-    p = packed(module)
-    if rows == 1:  # the decode case: a cat of one tensor still costs a copy and ~12 us
-        out = gemv(flat, p, module.scheme)
-    else:  # the same bits as a GEMV per row; one pass over the codes where a kernel does that
-        out = qgemm_rows(flat, p, module.scheme) if x.device.type == "cpu" else None
-        if out is None:
-            out = torch.cat([gemv(flat[r : r + 1], p, module.scheme) for r in range(rows)])
+            if dispatch.native_rows() and rows > CPU_GEMV_MAX_ROWS else CPU_GEMV_MAX_ROWS
+    return case(x, (module.scheme, rows == 1, 1 < rows <= triton_qgemm.MAX_ROWS,
+                    rows <= max_rows))
+
+
+def _qgemm_why_not(c: Case) -> str | None:
+    """A decode batch of rows on CUDA with int8 weights: the Triton GEMM that dequantizes in
+    registers (ops/triton_qgemm) instead of a dequantized copy per step."""
+    scheme, _, batch, _ = c.shape
+    if c.device != "cuda" or scheme.kind != "int8" or not batch:
+        return f"not 2..{triton_qgemm.MAX_ROWS} CUDA rows on int8 weights"
+    if not triton_qgemm.supports(scheme):
+        return "a layout the Triton GEMM does not read"
+    return None if triton_qgemm.available() else "the triton backend is off"
+
+
+@QUANT_LINEAR.register("triton_qgemm", 40, _qgemm_why_not)
+def _quant_triton_qgemm(x, module, prologue):
+    out = triton_qgemm.qgemm_cuda(x.reshape(-1, x.shape[-1]), packed(module), module.scheme)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _qgemv_why_not(c: Case) -> str | None:
+    scheme, _, _, gemv_rows = c.shape
+    if c.device != "cuda" or not gemv_rows:
+        return f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows"
+    if not triton_qgemv.supports(scheme):
+        return "a layout the Triton GEMV does not read"
+    return None if triton_qgemv.available() else "the triton backend is off"
+
+
+@QUANT_LINEAR.register("triton_qgemv", 35, _qgemv_why_not)
+def _quant_triton_qgemv(x, module, prologue):
+    flat, p = x.reshape(-1, x.shape[-1]), packed(module)
+    if prologue is not None:
+        out = triton_qgemv.qgemv_cuda(flat, p, module.scheme, prologue=prologue)
+    elif flat.shape[0] == 1:  # the decode case: a cat of one tensor still costs a copy and ~12 us
+        out = triton_qgemv.qgemv_cuda(flat, p, module.scheme)
+    else:
+        out = torch.cat([triton_qgemv.qgemv_cuda(flat[r : r + 1], p, module.scheme)
+                         for r in range(flat.shape[0])])
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+@QUANT_LINEAR.register("packed_gemv", 30, lambda c: None if c.device == "cpu"
+                       and c.dtype == torch.float32 and c.shape[3] else
+                       "not CPU fp32 rows within the packed-code GEMVs' row limit")
+def _quant_packed_gemv(x, module, prologue):
+    """CPU: the packed-code GEMV per row (fp32 x and y), or the multi-row kernel that gives each
+    row the same bits in one pass over the codes."""
+    flat, p = x.reshape(-1, x.shape[-1]).float(), packed(module)
+    if flat.shape[0] == 1:
+        out = qgemv(flat, p, module.scheme)
+    else:
+        out = qgemm_rows(flat, p, module.scheme)
+        if out is None:
+            out = torch.cat([qgemv(flat[r : r + 1], p, module.scheme)
+                             for r in range(flat.shape[0])])
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+@QUANT_LINEAR.register("dequantize_gemm", 10)
+def _quant_dequantize_gemm(x, module, prologue):
+    """The whole weight dequantized (into the shared scratch buffer on CPU fp32), torch's GEMM."""
+    return F.linear(x, dequantized(module, x.dtype))
+
+
+@QUANT_LINEAR.register(REFERENCE, 0)
+def _quant_reference(x, module, prologue):
+    return F.linear(x, dequantize(packed(module), module.scheme, x.dtype))
 
 
 def embed(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -224,9 +224,6 @@ def _engine_counts(driver) -> dict[str, int]:
 def _release_memory() -> None:
     import torch
 
-    from deltaserve.layers import linear
-
-    linear.release_scratch()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

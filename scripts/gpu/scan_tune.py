@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.ops.fla_scan import fla_prefill  # noqa: E402
-from deltaserve.ops.gdn import SCAN_MAX_TOKENS, fla_public_prefill, gdn_chunked  # noqa: E402
+from deltaserve.ops.gdn import fla_public_prefill, gdn_chunked  # noqa: E402
+from deltaserve.ops.gdn_prefill import SCAN_MAX_TOKENS  # noqa: E402
 from deltaserve.ops.triton_gdn_scan import gdn_scan_cuda  # noqa: E402
 
 LAYERS = 18

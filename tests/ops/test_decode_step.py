@@ -20,7 +20,6 @@ from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.env import env
 from deltaserve.ops import decode_step
 from deltaserve.ops.native import native_lib, simd_lanes
-from deltaserve.ops.norm import native_rows
 from deltaserve.ops.qgemv import QGEMM_MAX_ROWS
 from deltaserve.quant.convert import quantize_checkpoint
 
@@ -57,14 +56,14 @@ def table(seq: int, num_seqs: int) -> tuple[int, ...]:
 
 
 def forward(lm, ids: torch.Tensor, batch: StepBatch, native: bool, monkeypatch) -> torch.Tensor:
-    """lm.forward_batch as the runner calls it (native_rows without prefill chunks), asserting
-    whether the one native call ran."""
+    """lm.forward_batch as the runner calls it (batch.native_rows without prefill chunks),
+    asserting whether the one native call ran."""
     calls = []
     run = decode_step.DecodePlan.run
     monkeypatch.setattr(decode_step.DecodePlan, "run",
                         lambda plan, *args: calls.append(1) or run(plan, *args))
-    with native_rows(not batch.prefill):
-        logits = lm.forward_batch(ids, batch)
+    batch.native_rows = not batch.prefill
+    logits = lm.forward_batch(ids, batch)
     monkeypatch.setattr(decode_step.DecodePlan, "run", run)
     assert len(calls) == int(native), f"the native call ran {len(calls)} times"
     return logits
@@ -217,18 +216,18 @@ def test_steps_above_the_plans_rows_take_the_layered_path(quantized_dir, monkeyp
 
 
 def test_the_plan_needs_the_runners_native_rows(tiny_dir, monkeypatch) -> None:
-    """Outside native_rows the layered path runs torch's norms and silu for decode rows, and a
-    verify chunk without its rollback record cannot run natively: both go layered."""
+    """Without batch.native_rows the layered path runs torch's norms and silu for decode rows, and
+    a verify chunk without its rollback record cannot run natively: both go layered."""
     lm = LLM(tiny_dir, dtype="bfloat16").model
     states, kv = pools(lm, 2)
     chunks = [SeqChunk(s + 1, 0, 1, table(s, 2)) for s in range(2)]
     batch = StepBatch.build(chunks, states, kv, "cpu")
-    with native_rows(False):
-        assert lm._native_plan(batch) is None
-    with native_rows():
-        assert lm._native_plan(batch) is not None
-        verify = StepBatch.build([SeqChunk(1, 0, 3, table(0, 2), verify=True)], states, kv, "cpu")
-        assert lm._native_plan(verify) is None  # no batch.spec
+    assert lm._native_plan(batch) is None
+    batch.native_rows = True
+    assert lm._native_plan(batch) is not None
+    verify = StepBatch.build([SeqChunk(1, 0, 3, table(0, 2), verify=True)], states, kv, "cpu")
+    verify.native_rows = True
+    assert lm._native_plan(verify) is None  # no batch.spec
 
 
 def test_generation_is_unchanged_by_the_native_step(tiny_dir, monkeypatch) -> None:

@@ -1,5 +1,5 @@
-"""The prefill scan dispatcher: the torch path (CPU, fp32) equals gdn_chunked and reports every
-wanted stop; fla-core's kernel (H200, bf16) against the fp32 scan on the same inputs."""
+"""The GDN prefill op (ops/gdn_prefill): the reference (CPU, fp32) composes the torch ops and reports
+every wanted stop; fla-core's stages (H200, bf16) against the fp32 reference on the same inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from deltaserve.ops.gdn import gdn_chunked, gdn_prefill
+from deltaserve.ops.gdn import gdn_chunked
+from deltaserve.ops.gdn_prefill import gdn_prefill
 from tests.ops.triton_device import rel
 
 
@@ -33,14 +34,50 @@ def _reference(q, k, v, g, beta, state, chunk_len=64):
     return o, final, seen
 
 
-def test_torch_path_equals_the_chunked_scan_and_reports_stops() -> None:
-    q, k, v, g, beta, state = _inputs("cpu", torch.float32)
-    got = {}
-    o, final = gdn_prefill(q, k, v, g, beta, state, (64, 192),
-                           lambda n, s: got.setdefault(n, s.clone()))
-    ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
-    assert torch.equal(o, ref_o) and torch.equal(final, ref_final)
-    assert {64, 192} <= set(got) and torch.equal(got[192], seen[192])
+def _mixer_inputs(device, dtype, seq_len=200, heads_k=2, heads_v=4, dim=64):
+    """The GDN prefill op's inputs: in-projection rows qkv, a, b, conv weight and window, gate
+    parameters and an fp32 state."""
+    gen = torch.Generator().manual_seed(seq_len)
+    r = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s)  # noqa: E731
+    channels = 2 * heads_k * dim + heads_v * dim
+    inp = dict(qkv=r(1, seq_len, channels).to(dtype), a=r(1, seq_len, heads_v).to(dtype),
+               b=r(1, seq_len, heads_v).to(dtype), conv_w=r(channels, 4, s=0.3),
+               window=r(1, channels, 3).to(dtype),
+               a_log=(torch.rand(heads_v, generator=gen) * 16 + 0.01).log(),
+               dt_bias=1 + r(heads_v, s=0.1), state=r(1, heads_v, dim, dim, s=0.1))
+    return {k: v.to(device) for k, v in inp.items()}, heads_k
+
+
+def _run(fn, inp, heads_k, stops):
+    """fn (an implementation of GDN_PREFILL) on copies of inp: (o, window, final state, states
+    seen at the stops)."""
+    state, seen = inp["state"].clone(), {}
+    o, window = fn(inp["qkv"], inp["a"], inp["b"], inp["conv_w"], inp["window"], inp["a_log"],
+                   inp["dt_bias"], state, heads_k, stops,
+                   lambda n, s: seen.setdefault(n, s.clone()))
+    return o, window, state, seen
+
+
+def test_cpu_takes_the_reference_which_composes_the_torch_ops_and_reports_stops() -> None:
+    """The op on CPU fp32 is the torch conv, gates and chunked scan (the state updated in place);
+    every wanted stop's state is reported."""
+    from deltaserve.ops.conv1d import causal_conv1d_ref
+    from deltaserve.ops.gdn import gdn_gates
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, prefill_case
+
+    inp, heads_k = _mixer_inputs("cpu", torch.float32)
+    assert GDN_PREFILL.choose(prefill_case(inp["qkv"], inp["state"], heads_k, 4)).name == \
+        "reference"
+    o, window, state, got = _run(gdn_prefill, inp, heads_k, (64, 192))
+    conv = causal_conv1d_ref(inp["qkv"], inp["conv_w"], inp["window"])
+    q, k, v = torch.split(conv, [128, 128, 256], dim=-1)
+    g, beta = gdn_gates(inp["a"], inp["b"], inp["a_log"], inp["dt_bias"])
+    shape = (1, 200, -1, 64)
+    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+    ref_o, ref_final, seen = _reference(q, k, v, g, beta, inp["state"])
+    assert rel(o, ref_o) <= 1e-6 and rel(state, ref_final) <= 1e-6
+    assert torch.equal(window, inp["qkv"][:, -3:].transpose(1, 2))
+    assert {64, 192} <= set(got) and rel(got[192], seen[192]) <= 1e-6
 
 
 @pytest.mark.gpu
@@ -48,16 +85,18 @@ def test_torch_path_equals_the_chunked_scan_and_reports_stops() -> None:
                     reason="needs CUDA and fla-core")
 @pytest.mark.parametrize("stops", [(), (64, 128)])
 def test_fla_path_matches_the_fp32_scan(stops) -> None:
-    from deltaserve.ops.gdn import fla_usable
+    """A 200-token bf16 chunk takes fla's stages; against the reference on fp32 copies."""
+    from deltaserve.ops.gdn_prefill import GDN_PREFILL, prefill_case
 
-    q, k, v, g, beta, state = _inputs("cuda", torch.bfloat16)
-    assert fla_usable(q)
-    got = {}
-    o, final = gdn_prefill(q, k, v, g, beta, state.clone(), stops,
-                           lambda n, s: got.setdefault(n, s.clone()))
-    ref_o, ref_final, seen = _reference(q, k, v, g, beta, state)
-
-    assert rel(o, ref_o) <= 2e-2 and rel(final, ref_final) <= 2e-2
+    inp, heads_k = _mixer_inputs("cuda", torch.bfloat16)
+    chosen = GDN_PREFILL.choose(prefill_case(inp["qkv"], inp["state"], heads_k, 4))
+    assert chosen.name.startswith("fla_stages")
+    o, window, state, got = _run(gdn_prefill, inp, heads_k, stops)
+    wide = {k: v.float() for k, v in inp.items()}
+    ref_o, ref_window, ref_state, seen = _run(GDN_PREFILL.named("reference").fn, wide, heads_k,
+                                              stops)
+    assert rel(o, ref_o) <= 2e-2 and rel(state, ref_state) <= 2e-2
+    assert torch.equal(window.float(), ref_window)
     assert set(got) == set(stops)
     for n in stops:
         assert rel(got[n], seen[n]) <= 2e-2

@@ -236,14 +236,15 @@ def test_multi_row_gemm_is_a_gemv_per_row_bit_for_bit(name, num_rows, rows, cols
 
 
 def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:
-    """20 int8 rows: in a decode-only step (native_rows) each row gets its GEMV's bits through the
-    multi-row kernel; in a prefill chunk the weight is dequantized and the fp32 GEMM runs. The
-    scalar build (no vector paths) keeps the GEMV per row to 16 rows: 20 take the prefill path."""
+    """20 int8 rows: in a decode-only step (ops/dispatch.stepping(True)) each row gets its GEMV's
+    bits through the multi-row kernel; in a prefill chunk the weight is dequantized and the fp32
+    GEMM runs. The scalar build (no vector paths) keeps the GEMV per row to 16 rows: 20 take the
+    prefill path."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
 
-    from deltaserve.ops.norm import native_rows
+    from deltaserve.ops.dispatch import stepping
     from deltaserve.quant.linear import CPU_GEMV_MAX_ROWS, quant_linear
 
     packed = packed_random(300, 256, INT8)
@@ -251,7 +252,7 @@ def test_decode_steps_take_the_multi_row_kernel_further_than_prefill() -> None:
                              in_cols=256)
     x = torch.randn(CPU_GEMV_MAX_ROWS + 4, 256)
     singles = torch.cat([qgemv(x[r : r + 1], packed, INT8) for r in range(x.shape[0])])
-    with native_rows():
+    with stepping(True):
         decode = quant_linear(x, module)
     prefill = quant_linear(x, module)
     assert torch.equal(decode, singles if simd_lanes() else prefill)
