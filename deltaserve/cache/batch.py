@@ -31,6 +31,8 @@ class SeqChunk:
         return self.start_pos + self.num_tokens
 
 
+Injection = tuple[torch.Tensor, torch.Tensor]  # (rows [R] int64, input embeddings [R,N])
+
 SNAP_GRID = 64  # fla's chunk and the finest prefix-snapshot granularity (cache/manager.py)
 
 
@@ -67,6 +69,21 @@ class GraphChunk:
         """[1] the last real row (where the next-token logits come from)."""
         return self.real_len - 1
 
+    def snapshot_hook(self, layer: int, window: torch.Tensor, rows: torch.Tensor):
+        """(stops, on_boundary) for GDN layer `layer`'s scan of this chunk (window [C,W-1], rows
+        [T,C] its conv input): its state after every SNAP_GRID rows into snap_states, and the conv
+        windows there into snap_windows (all at once)."""
+        g, num = self.snap_layers.index(layer), self.snap_states.shape[0]
+        positions = self.snap_positions()  # [NS]
+        at = positions[:, None] + torch.arange(window.shape[-1], device=positions.device)
+        self.snap_windows[:, g].copy_(window_at(window, rows, at))
+
+        def keep(done: int, s: torch.Tensor) -> None:
+            if done % SNAP_GRID == 0 and 0 < done <= num * SNAP_GRID:
+                self.snap_states[done // SNAP_GRID - 1, g].copy_(s[0])
+
+        return tuple(SNAP_GRID * (i + 1) for i in range(num)), keep
+
 
 @dataclass(slots=True)
 class StepBatch:
@@ -102,6 +119,22 @@ class StepBatch:
     # (spec/rollback.py relies on it); the model runs its ops within ops/dispatch.stepping(it)
     native_rows: bool = False
     scratch: object = None  # cache/scratch.Scratch the step's temporaries reuse (None: allocate)
+
+    def snapshot_hook(self, i: int, layer: int, window: torch.Tensor, rows: torch.Tensor):
+        """on_boundary for GDN layer `layer`'s scan of prefill chunk i (window [1,C,W-1], rows
+        [1,T,C] its conv input): keeps (conv window, state) at the chunk's snapshot positions in
+        snapshots[i][position][layer] (the window then = the W-1 inputs before it)."""
+        chunk, width = self.chunks[i], window.shape[-1]
+        full = torch.cat([window.transpose(1, 2).to(rows.dtype), rows], dim=1)
+        snaps = self.snapshots.setdefault(i, {})
+
+        def keep(done: int, s: torch.Tensor) -> None:
+            pos = chunk.start_pos + done
+            if pos in chunk.snapshot_at:
+                win = full[0, done : done + width].t().contiguous()
+                snaps.setdefault(pos, {})[layer] = (win, s[0])
+
+        return keep
 
     def chunk_table(self, i: int, device) -> torch.Tensor:
         """Chunk i's block table on the device (prefill chunks': copied in build, once per step)."""
@@ -207,6 +240,16 @@ def _token_places(chunks: list[SeqChunk], block_len: int) -> np.ndarray:
         table = np.asarray(c.block_table, dtype=np.int64)
         parts.append(np.stack([pos, table[pos // block_len], pos % block_len]))
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def window_at(window: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Rows `at` [..., W-1] of [window^T | rows] (window [C,W-1], rows [T,C]) as conv windows
+    [..., C, W-1], gathered without concatenating the chunk (a whole [T,C] copy per layer at 8k
+    tokens)."""
+    width = window.shape[-1]
+    from_rows = rows[(at - width).clamp(min=0)]  # [..., W-1, C]
+    from_window = window.t()[at.clamp(max=width - 1)].to(rows.dtype)
+    return torch.where((at < width)[..., None], from_window, from_rows).transpose(-1, -2)
 
 
 def host_to_device(host: np.ndarray, device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.cache.batch import StepBatch
-from deltaserve.engine.runner import fed_ids
+from deltaserve.engine.step import Step, StepLogits, fed_ids, step_logits
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FIELDS = ("ids", "slots", "positions", "kv_blocks", "kv_rows", "lengths")  # [B] each
@@ -52,10 +52,21 @@ class DecodeGraphs:
     def supports(self, num_seqs: int) -> bool:
         return _bucket(num_seqs, BATCH_BUCKETS) is not None
 
+    def execute_step(self, step: Step) -> StepLogits | None:
+        """The executor (engine/executors.py): all-decode steps of a captured batch size without
+        image rows; None for any other."""
+        chunks = step.plan.chunks
+        if not step.decodes or not self.supports(len(chunks)) or step.injection() is not None:
+            return None
+        logits = self.run([max(c.token_ids[0], 0) for c in chunks], [c.slot for c in chunks],
+                          [c.start_pos for c in chunks],
+                          [self.cache.block_table(c.request_id) for c in chunks], step.feed)
+        return step_logits(logits, step.plan)
+
     def run(self, ids: list[int], slots: list[int], positions: list[int],
             tables: list[tuple[int, ...]], feed=None) -> torch.Tensor:
         """Logits [len(ids), vocab] fp32 of one all-decode step, or its tokens [len(ids)] with the
-        greedy head (a view of a static buffer). feed: runner.Feed, ids taken on the device."""
+        greedy head (a view of a static buffer). feed: step.Feed, ids taken on the device."""
         num = len(ids)
         bsz = _bucket(num, BATCH_BUCKETS)
         width = width_bucket(max(len(t) for t in tables))

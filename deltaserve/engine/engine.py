@@ -15,9 +15,10 @@ import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
 from deltaserve.engine.request import ImageInputs, Request, Status
-from deltaserve.engine.runner import ModelRunner, StepLogits
+from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
+from deltaserve.engine.step import StepLogits
 from deltaserve.engine.stopping import StopChecker
 from deltaserve.errors import RequestError
 from deltaserve.spec.config import SpeculativeConfig
@@ -70,14 +71,16 @@ class Engine:
         self.max_model_len, self.config = max_model_len, config
         self.cache = CacheManager(model, config.cache, fingerprint)
         self.scheduler = Scheduler(config.scheduler, self.cache)
+        spec = config.speculative  # its narrow interface to the runner: hidden rows, rollback
         self.runner = ModelRunner(model, self.cache, config.greedy_head,
-                                  config.scheduler.max_prefill_chunk)
+                                  config.scheduler.max_prefill_chunk,
+                                  keep_hidden=spec is not None and spec.needs_hidden,
+                                  rollback=spec.rollback if spec is not None else "recompute")
         self.spec = None
-        if config.speculative is not None:
+        if spec is not None:
             from deltaserve.spec.verify import Speculator
 
-            self.spec = Speculator(config.speculative, self)
-            self.runner.spec_rollback = config.speculative.rollback
+            self.spec = Speculator(spec, self)
         self._live: dict[str, _Live] = {}
         self._pending = None  # overlap.InFlight: a launched step not read back yet
         self.host_buffers: list = [None, None]  # overlap: tokens read back, steps alternate

@@ -34,8 +34,9 @@ import warnings
 import numpy as np
 import torch
 
-from deltaserve.cache.batch import SNAP_GRID, GraphChunk, SeqChunk, StepBatch
+from deltaserve.cache.batch import SNAP_GRID, GraphChunk, SeqChunk, StepBatch, host_to_device
 from deltaserve.engine.cuda_graph import capture, width_bucket
+from deltaserve.engine.step import Step, StepLogits, placeholders, step_logits
 
 TOKEN_BUCKETS = (16, 32, 64, 128)
 # fresh chunks longer than TOKEN_BUCKETS: padding costs at most a third of the GPU work above 2k
@@ -136,6 +137,34 @@ class PrefillGraphs:
         self.max_long_rows = long_rows(max_chunk_tokens or self.max_long_tokens,
                                        self.max_long_tokens)
         self._snap_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def execute_step(self, step: Step) -> StepLogits | None:
+        """The executor (engine/executors.py): one sequence's chunk, not fed from the device, as
+        captured graphs piece by piece; the prefix snapshot at the end of a piece is the slot's
+        state there. None (nothing run) for other steps or when a graph it needs could not be
+        captured."""
+        if len(step.plan.chunks) != 1 or step.feed is not None:
+            return None
+        chunk = step.chunks()[0]
+        pieces = self.pieces(chunk)
+        if pieces is None:
+            return None
+        image, device = step.images.get(step.plan.chunks[0].request_id), self.model.device
+        injects = [_piece_injection(image, piece, device) if image else None for piece in pieces]
+        keys = [self.key(p, i is not None) for p, i in zip(pieces, injects, strict=True)]
+        if not self.ready(keys):
+            return None
+        ids, snaps, out = step.ids(), {}, None
+        for piece, inject, key in zip(pieces, injects, keys, strict=True):
+            lo = piece.start_pos - chunk.start_pos
+            out = self.run(ids[lo : lo + piece.num_tokens], piece, inject)
+            if piece.snapshot_at:  # a long fresh chunk: the graph kept every grid position's
+                snaps.update(self.snapshots(key, piece.snapshot_at))
+            elif piece.end_pos in chunk.snapshot_at:
+                snaps[piece.end_pos] = dict(enumerate(self.cache.states.snapshot(chunk.slot)))
+        logits = step_logits(out, step.plan)
+        step.store_snapshots(logits, {0: snaps})
+        return logits
 
     def pieces(self, chunk: SeqChunk) -> list[SeqChunk] | None:
         """The chunk as graph steps: cut at its prefix-snapshot positions (each snapshot is then
@@ -316,3 +345,9 @@ class PrefillGraphs:
             static[name].fill_(value)
         graph, out = capture(lambda: self.forward(static), self.pool)
         return graph, static, out
+
+
+def _piece_injection(image, piece: SeqChunk, device: torch.device):
+    """(rows of the piece [R], embeddings [R,N]) of the image placeholders it covers, or None."""
+    rows, embeds = placeholders(image, piece.start_pos, piece.end_pos)
+    return (host_to_device(np.array(rows, np.int64), device), embeds) if rows else None

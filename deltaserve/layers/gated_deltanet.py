@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltaserve.cache.batch import SNAP_GRID, StepBatch
+from deltaserve.cache.batch import StepBatch, window_at
 from deltaserve.config import TextConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import GatedRMSNorm
@@ -73,7 +73,7 @@ class GatedDeltaNet(nn.Module):
             window = conv_pool[chunk.slot : chunk.slot + 1]
             state = state_pool[chunk.slot : chunk.slot + 1]
             stops = tuple(p - chunk.start_pos for p in chunk.snapshot_at)
-            keep = self._snapshot_keeper(batch, i, layer, window, qkv[:, span]) if stops else None
+            keep = batch.snapshot_hook(i, layer, window, qkv[:, span]) if stops else None
             o, new_window = self._scan(qkv[:, span], z[:, span], b[:, span], a[:, span], window,
                                        state, x.dtype, stops, keep)
             conv_pool[chunk.slot].copy_(new_window[0])
@@ -97,51 +97,9 @@ class GatedDeltaNet(nn.Module):
         state = state_pool.index_select(0, chunk.slot)  # [1,HV,K,V], scanned in place
         stops, keep = (), None
         if chunk.snap_states is not None:  # every grid position's state and window, kept
-            stops, keep = self._graph_snapshots(chunk, layer, window[0], qkv[0])
+            stops, keep = chunk.snapshot_hook(layer, window[0], qkv[0])
         o, _ = self._scan(qkv, z, b, a, window, state, x.dtype, stops, keep)
-        new_window = _window_at(window[0], qkv[0], chunk.window_rows(window.shape[-1]))
+        new_window = window_at(window[0], qkv[0], chunk.window_rows(window.shape[-1]))
         conv_pool.index_copy_(0, chunk.slot, new_window[None].to(conv_pool.dtype))
         state_pool.index_copy_(0, chunk.slot, state)
         return self.out_proj(o)
-
-    @staticmethod
-    def _graph_snapshots(chunk, layer: int, window: torch.Tensor, rows: torch.Tensor):
-        """(stops, on_boundary) writing this layer's state after every SNAP_GRID rows into
-        chunk.snap_states, and the conv windows there into chunk.snap_windows (all at once)."""
-        g, num = chunk.snap_layers.index(layer), chunk.snap_states.shape[0]
-        positions = chunk.snap_positions()  # [NS]
-        at = positions[:, None] + torch.arange(window.shape[-1], device=positions.device)
-        chunk.snap_windows[:, g].copy_(_window_at(window, rows, at))
-
-        def keep(done: int, s: torch.Tensor) -> None:
-            if done % SNAP_GRID == 0 and 0 < done <= num * SNAP_GRID:
-                chunk.snap_states[done // SNAP_GRID - 1, g].copy_(s[0])
-
-        return tuple(SNAP_GRID * (i + 1) for i in range(num)), keep
-
-    @staticmethod
-    def _snapshot_keeper(batch: StepBatch, i: int, layer: int, window: torch.Tensor,
-                         qkv: torch.Tensor):
-        """on_boundary for chunk i: keeps (conv window, state) at the chunk's snapshot positions
-        in batch.snapshots[i][position][layer] (the window then = the W-1 inputs before it)."""
-        chunk, width = batch.chunks[i], window.shape[-1]
-        full = torch.cat([window.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
-        snaps = batch.snapshots.setdefault(i, {})
-
-        def keep(done: int, s: torch.Tensor) -> None:
-            pos = chunk.start_pos + done
-            if pos in chunk.snapshot_at:
-                win = full[0, done : done + width].t().contiguous()
-                snaps.setdefault(pos, {})[layer] = (win, s[0])
-
-        return keep
-
-
-def _window_at(window: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """Rows `at` [..., W-1] of [window^T | rows] (window [C,W-1], rows [T,C]) as windows
-    [..., C, W-1], gathered without concatenating the chunk (a whole [T,C] copy per layer at 8k
-    tokens)."""
-    width = window.shape[-1]
-    from_rows = rows[(at - width).clamp(min=0)]  # [..., W-1, C]
-    from_window = window.t()[at.clamp(max=width - 1)].to(rows.dtype)
-    return torch.where((at < width)[..., None], from_window, from_rows).transpose(-1, -2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltaserve.cache.batch import StepBatch
+from deltaserve.cache.batch import Injection, StepBatch
 from deltaserve.config import FULL, TextConfig
 from deltaserve.layers.attention import GatedAttention
 from deltaserve.layers.gated_deltanet import GatedDeltaNet
@@ -13,12 +13,9 @@ from deltaserve.layers.linear import Linear, linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import Rotary
-from deltaserve.ops import decode_step
 from deltaserve.ops.dispatch import stepping
 from deltaserve.ops.greedy_head import greedy_tokens
 from deltaserve.quant.linear import embed, is_quantized, quant_linear
-
-Injection = tuple[torch.Tensor, torch.Tensor]  # (rows [R] int64, input embeddings [R,N])
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +74,6 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     tp = None  # distributed.sharded.TPModel on a tensor-parallel shard: vocabulary-parallel ends
     pp = None  # distributed.pipeline.PPStage on a pipeline stage: a contiguous range of layers
-    keep_hidden = False  # forward_batch keeps every row's final-normed hidden in last_hidden
 
     @property
     def head(self) -> nn.Module:
@@ -97,34 +93,30 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_batch(
         self, input_ids: torch.Tensor, batch: StepBatch, all_logits: bool = False,
-        greedy: bool = False, inject: Injection | None = None,
-    ) -> torch.Tensor:
+        greedy: bool = False, inject: Injection | None = None, return_hidden: bool = False,
+    ):
         """input_ids [T]: the step's chunks back to back (batch says whose). Logits fp32 of each
         chunk's last token [num_chunks, vocab], or of every token [T, vocab] if all_logits; with
         greedy, the argmax tokens [num_chunks] int64 instead (the logits never materialised).
         inject (rows [R] int64, embeddings [R,N]): those rows of the step take the given input
-        embeddings instead of their token's (image placeholders take the vision tower's output)."""
+        embeddings instead of their token's (image placeholders take the vision tower's output).
+        return_hidden: (that, every row's final-normed hidden [T,N]) (the MTP drafter's input)."""
         with stepping(batch.native_rows, batch.scratch):
-            plan = self._native_plan(batch) if inject is None else None
-            if plan is not None:  # a CPU decode/verify step: every layer in one native call
-                x = self._stage_input(input_ids[None])
-                cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
-                steps, _buffers = decode_step.gdn_steps(batch, self.model.layers)  # alive for run
-                h = plan.run(x[0], steps, batch.positions, batch.decode_tables, *cos_sin)
-                if self.keep_hidden:  # final-normed, every row: what the MTP drafter reads
-                    self.last_hidden = h
-                return self._head(h, greedy)
             h = self.hidden_batch(input_ids, batch, inject)
             if h is None:  # the last stage's output comes back: [rows] tokens or [rows, V]
                 rows = len(input_ids) if all_logits or not batch.prefill else len(batch.logit_rows())
-                return self.pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
-                                     torch.int64 if greedy else torch.float32)
+                out = self.pp.share(None, (rows,) if greedy else (rows, self.cfg.vocab_size),
+                                    torch.int64 if greedy else torch.float32)
+                return (out, None) if return_hidden else out
+            every = h
             if batch.graph_chunk is not None and not all_logits:  # the last real row, on the device
                 h = h.index_select(0, batch.graph_chunk.last_row())
             elif not all_logits and batch.prefill:
                 h = h.index_select(0, batch.logit_index())
-            out = self._head(h, greedy)
-            return out if self.pp is None else self.pp.share(out, tuple(out.shape), out.dtype)
+            out = self.head_out(h, greedy)
+            if self.pp is not None:
+                out = self.pp.share(out, tuple(out.shape), out.dtype)
+            return (out, every) if return_hidden else out
 
     @torch.inference_mode()
     def hidden_batch(self, input_ids: torch.Tensor, batch: StepBatch,
@@ -132,7 +124,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         """The final-normed hidden states [T,N] of every row of the step; None on a pipeline
         stage before the last, which sends its residual stream on."""
         with stepping(batch.native_rows, batch.scratch):
-            return self._layers(self._stage_input(input_ids[None], inject), batch)
+            return self._layers(self.embed_input(input_ids[None], inject), batch)
 
     def _layers(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         cos_sin = self.rotary().cos_sin(batch.positions, self.act_dtype)
@@ -152,28 +144,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not last_stage:
             pp.send(residual)
             return None
-        if self.keep_hidden:  # the MTP drafter reads every row's final-normed hidden (spec/mtp.py)
-            self.last_hidden = h[0]
         return h[0]
 
-    _plan: tuple | None = None  # (pools key, decode_step.DecodePlan or None)
-
-    def _native_plan(self, batch: StepBatch):
-        """The native decode plan when this step is decode and draft-verify rows only on CPU, no
-        more of them than the plan's kernels take (no tensor or pipeline split), else None. Only
-        for batch.native_rows (the runner's decode-only steps): there the layered path runs the
-        per-row kernels the plan runs, so both give the same bits."""
-        if batch.prefill or batch.graph_chunk is not None or self.tp is not None \
-                or self.pp is not None or self.device.type != "cpu" or not batch.native_rows \
-                or (batch.verify and batch.spec is None):  # verify rows need their record
-            return None
-        key = decode_step.pools_key(batch.states, batch.kv)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, decode_step.build_plan(self, batch.states, batch.kv))
-        plan = self._plan[1]
-        return plan if plan is not None and batch.num_tokens <= plan.max_rows else None
-
-    def _stage_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
+    def embed_input(self, ids: torch.Tensor, inject: Injection | None = None) -> torch.Tensor:
         """ids [B,T] -> the first layer's input [B,T,N]: the embeddings (image rows injected), or
         on a later pipeline stage the residual stream the stage before sent."""
         if self.pp is not None and not self.pp.is_first:
@@ -190,7 +163,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             return self.tp.embed(self.model.embed_tokens, ids, self.act_dtype)
         return embed(self.model.embed_tokens, ids).to(self.act_dtype)
 
-    def _head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+    def head_out(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """h [..., N] -> fp32 logits [..., vocab], or with greedy (h [R,N]) argmax tokens [R]."""
         head = self.head
         if self.tp is not None:

@@ -56,6 +56,12 @@ class SpeculativeConfig:
             raise RequestError("adaptive_min_acceptance must be in [0, 1], got "
                                f"{self.adaptive_min_acceptance}")
 
+    @property
+    def needs_hidden(self) -> bool:
+        """Every step carries its rows' final hidden states (StepLogits.hidden): the MTP
+        drafter's input (the engine's runner keeps them; ModelRunner keep_hidden)."""
+        return self.method == "mtp"
+
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None
                    ) -> SpeculativeConfig | None:

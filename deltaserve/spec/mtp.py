@@ -111,7 +111,6 @@ class MTPDrafter:
         if model_dir is None:
             raise CheckpointError("speculative method 'mtp' needs the model's checkpoint folder")
         self.block = load_mtp(model, Path(model_dir))
-        model.keep_hidden = True
         self._tracks: dict[str, _Track] = {}
 
     def _new_kv(self) -> KVCache:
@@ -155,13 +154,14 @@ class MTPDrafter:
         of once per request)."""
         if tracks:
             rows = torch.cat([t.hidden[0] for t in tracks])  # [R,N]
-            for track, token in zip(tracks, self.model._head(rows).argmax(-1).tolist(),
+            for track, token in zip(tracks, self.model.head_out(rows).argmax(-1).tolist(),
                                     strict=True):
                 track.draft = token
 
-    def observe(self, plan, engine) -> None:
-        """After a step: feed the block each drafting request's newly computed positions."""
-        hidden, at, fed = self.model.last_hidden, 0, []
+    def observe(self, plan, engine, hidden: torch.Tensor) -> None:
+        """After a step: feed the block each drafting request's newly computed positions (hidden
+        [T,N]: every row's final-normed hidden state, StepLogits.hidden)."""
+        at, fed = 0, []
         for c in plan.chunks:
             span, at = (at, at + len(c.token_ids)), at + len(c.token_ids)
             if not draftable(engine.live(c.request_id)):

@@ -65,7 +65,6 @@ class Speculator:
             from deltaserve.spec.mtp import MTPDrafter
 
             self.mtp = MTPDrafter(engine.model, config, engine.model_dir)
-            engine.runner.graphs = None  # every step's forward must leave its hidden rows
 
     # ---- before the forward ----
 
@@ -196,7 +195,7 @@ class Speculator:
     def observe(self, plan: StepPlan, logits) -> None:
         """After the scheduler recorded the step: the MTP drafter reads the new hidden states."""
         if self.mtp is not None:
-            self.mtp.observe(plan, self.engine)
+            self.mtp.observe(plan, self.engine, logits.hidden)
 
     def forget(self, rid: str) -> None:
         """A request ended: drop its gate (and the MTP drafter's state)."""

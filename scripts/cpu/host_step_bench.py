@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.checkpoint.presets import preset  # noqa: E402
 from deltaserve.checkpoint.writer import write_checkpoint  # noqa: E402
-from deltaserve.engine.runner import _step_logits  # noqa: E402
+from deltaserve.engine.step import step_logits  # noqa: E402
 
 
 def fake_execute(plan, all_ids):
     logits = torch.zeros(len(plan.chunks), 64)
     logits[:, 7] = 1.0  # token 7 every step (EOS ignored)
-    return _step_logits(logits, plan)
+    return step_logits(logits, plan)
 
 
 def run(llm: LLM, batch: int, steps: int, profile: bool) -> float:

@@ -36,14 +36,15 @@ def run_case(model_dir: Path, tp_size: int, greedy_head: bool = False, pp_size: 
                                for b, s in enumerate(seqs)]) for t in range(34, 40)]
         out["single"] = torch.cat(steps, dim=1)
     recorded: list[torch.Tensor] = []
-    forward_batch = model.forward_batch
+    runner = llm.engine.runner
+    execute = runner.execute
 
-    def spy(*args, **kwargs):
-        result = forward_batch(*args, **kwargs)
-        recorded.append(result.clone())
+    def spy(*args, **kwargs):  # every step's output, whichever executor ran it
+        result = execute(*args, **kwargs)
+        recorded.append(result.tensor.clone())
         return result
 
-    model.forward_batch = spy
+    runner.execute = spy
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
     prompts = [prompt_ids(n, 10 + i) for i, n in enumerate(PROMPT_LENS)]
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

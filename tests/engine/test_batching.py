@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -385,21 +384,22 @@ def test_greedy_head_engine_matches_and_refuses_sampling(tiny_llm) -> None:
     assert greedy.cache.usage() == before and not greedy.has_work
 
 
-def test_non_finite_logits_end_one_request_and_never_reach_the_prefix_cache(tiny_llm) -> None:
+def test_non_finite_logits_end_one_request_and_never_reach_the_prefix_cache(tiny_llm,
+                                                                          monkeypatch) -> None:
     engine = make_engine(tiny_llm)
     prompts = prompts_of([130, 70], seed=29)
-    forward = tiny_llm.model.forward_batch
+    head = tiny_llm.model.head_out
     poisoned = {"done": False}
 
-    def poison(ids, batch, **kw):  # the first step's first chunk (r0's prefill) goes NaN
-        out = forward(ids, batch, **kw)
+    def poison(h, greedy=False):  # the first step's first chunk (r0's prefill) goes NaN
+        out = head(h, greedy)
         if not poisoned["done"]:
             poisoned["done"] = True
             out = out.clone()
             out[0, 7] = float("nan")
         return out
 
-    engine.runner.model = SimpleNamespace(forward_batch=poison, device=tiny_llm.model.device)
+    monkeypatch.setattr(tiny_llm.model, "head_out", poison)
     events = defaultdict(list)
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, GREEDY)

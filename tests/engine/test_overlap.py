@@ -108,22 +108,21 @@ def test_overlap_under_kv_pressure_preempts_and_recomputes_exactly(tiny_llm) -> 
     assert engine.cache.usage()["blocks_free"] == 12
 
 
-def test_a_non_finite_decode_step_fails_one_request_when_overlapped(tiny_llm) -> None:
+def test_a_non_finite_decode_step_fails_one_request_when_overlapped(tiny_llm,
+                                                                    monkeypatch) -> None:
     engine = overlapped(tiny_llm)
     prompts = prompts_of([11, 6], seed=47)
-    forward, decodes = tiny_llm.model.forward_batch, []
+    head, steps = tiny_llm.model.head_out, []
 
-    def poison(ids, batch, **kw):  # r0's row of the third all-decode step goes NaN
-        out = forward(ids, batch, **kw)
-        if ids.numel() == len(prompts):
-            decodes.append(1)
-            if len(decodes) == 3:
-                out = out.clone()
-                out[0, 3] = float("nan")
+    def poison(h, greedy=False):  # the head of every executor: the prefill step, then decodes
+        out = head(h, greedy)
+        steps.append(1)
+        if len(steps) == 4:  # r0's row of the third all-decode step goes NaN
+            out = out.clone()
+            out[0, 3] = float("nan")
         return out
 
-    engine.runner.model = type("M", (), {"forward_batch": staticmethod(poison),
-                                         "device": tiny_llm.model.device})()
+    monkeypatch.setattr(tiny_llm.model, "head_out", poison)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = drive(engine, {0: [(rid, ids, params) for rid, ids in prompts.items()]})
     assert got["r0"][2] == "error" and len(got["r0"][0]) == 3  # prefill + 2 decodes, then NaN

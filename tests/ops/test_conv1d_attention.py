@@ -83,11 +83,11 @@ def test_cuda_attention_behind_cached_keys_matches_reference(seq_len: int, cache
 def test_graph_chunk_window_is_the_last_real_inputs() -> None:
     """The padded chunk's new conv window: rows real_len .. real_len+W-2 of [old window | chunk],
     gathered without the concatenation, for chunks shorter and longer than the window."""
-    from deltaserve.layers.gated_deltanet import _window_at
+    from deltaserve.cache.batch import window_at
 
     gen = torch.Generator().manual_seed(0)
     window, rows = torch.randn(6, 3, generator=gen), torch.randn(10, 6, generator=gen)
     full = torch.cat([window.t(), rows])  # [W-1+T, C]
     for real_len in (1, 2, 3, 7, 10):
         at = torch.arange(3) + real_len
-        assert torch.equal(_window_at(window, rows, at), full[at].t())
+        assert torch.equal(window_at(window, rows, at), full[at].t())

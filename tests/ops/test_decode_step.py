@@ -17,6 +17,7 @@ import torch
 from deltaserve import LLM
 from deltaserve.cache.batch import SeqChunk, StepBatch
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
+from deltaserve.engine.executors import NativeDecode
 from deltaserve.env import env
 from deltaserve.ops import decode_step
 from deltaserve.ops.native import native_lib, simd_lanes
@@ -56,14 +57,15 @@ def table(seq: int, num_seqs: int) -> tuple[int, ...]:
 
 
 def forward(lm, ids: torch.Tensor, batch: StepBatch, native: bool, monkeypatch) -> torch.Tensor:
-    """lm.forward_batch as the runner calls it (batch.native_rows without prefill chunks),
-    asserting whether the one native call ran."""
+    """The step as the runner runs it (batch.native_rows without prefill chunks; the native
+    executor, else the layers), asserting whether the one native call ran."""
     calls = []
     run = decode_step.DecodePlan.run
     monkeypatch.setattr(decode_step.DecodePlan, "run",
                         lambda plan, *args: calls.append(1) or run(plan, *args))
     batch.native_rows = not batch.prefill
-    logits = lm.forward_batch(ids, batch)
+    out = NativeDecode(lm, False, False).forward(ids, batch)  # a fresh plan for every step
+    logits = lm.forward_batch(ids, batch) if out is None else out[0]
     monkeypatch.setattr(decode_step.DecodePlan, "run", run)
     assert len(calls) == int(native), f"the native call ran {len(calls)} times"
     return logits
@@ -75,7 +77,6 @@ def step(lm, states, kv, seqs: list[tuple[list[int], int]], fused: bool, monkeyp
     `native`: whether the native call must run (default: `fused`)."""
     monkeypatch.setenv("DELTASERVE_FUSED_DECODE", "1" if fused else "0")
     env.cache_clear()
-    lm._plan = None
     chunks = [SeqChunk(i + 1, start, len(ids), table(i, len(seqs)))
               for i, (ids, start) in enumerate(seqs)]
     batch = StepBatch.build(chunks, states, kv, "cpu")
@@ -149,7 +150,6 @@ def verify_step(lm, states, kv, chunks, ids, strategy, fused: bool, monkeypatch)
 
     monkeypatch.setenv("DELTASERVE_FUSED_DECODE", "1" if fused else "0")
     env.cache_clear()
-    lm._plan = None
     batch = StepBatch.build(chunks, states, kv, "cpu")
     batch.spec = VerifyRecord(batch, strategy)
     return forward(lm, torch.tensor(ids), batch, fused, monkeypatch), batch.spec
@@ -222,12 +222,13 @@ def test_the_plan_needs_the_runners_native_rows(tiny_dir, monkeypatch) -> None:
     states, kv = pools(lm, 2)
     chunks = [SeqChunk(s + 1, 0, 1, table(s, 2)) for s in range(2)]
     batch = StepBatch.build(chunks, states, kv, "cpu")
-    assert lm._native_plan(batch) is None
+    native = NativeDecode(lm, False, False)
+    assert native.plan_for(batch) is None
     batch.native_rows = True
-    assert lm._native_plan(batch) is not None
+    assert native.plan_for(batch) is not None
     verify = StepBatch.build([SeqChunk(1, 0, 3, table(0, 2), verify=True)], states, kv, "cpu")
     verify.native_rows = True
-    assert lm._native_plan(verify) is None  # no batch.spec
+    assert native.plan_for(verify) is None  # no batch.spec
 
 
 def test_generation_is_unchanged_by_the_native_step(tiny_dir, monkeypatch) -> None:

@@ -92,47 +92,44 @@ def test_batched_drafts_equal_one_request_at_a_time(tiny_llm, tiny_dir) -> None:
 
     model, cfg = tiny_llm.model, tiny_llm.config
     drafter = MTPDrafter(model, SimpleNamespace(), tiny_dir)
-    try:
-        g = torch.Generator().manual_seed(1)
-        inputs = {rid: (torch.randn(n, cfg.hidden_size, generator=g),
-                        torch.randint(0, 1000, (n,), generator=g).tolist())
-                  for rid, n in (("a", 7), ("b", 4), ("c", 5))}
-        wanted = {"a": 3, "b": 2, "c": 0}
+    g = torch.Generator().manual_seed(1)
+    inputs = {rid: (torch.randn(n, cfg.hidden_size, generator=g),
+                    torch.randint(0, 1000, (n,), generator=g).tolist())
+              for rid, n in (("a", 7), ("b", 4), ("c", 5))}
+    wanted = {"a": 3, "b": 2, "c": 0}
 
-        def run(track: _Track, hidden: torch.Tensor, next_ids: list[int], start: int) -> None:
-            """One request through the block as the drafter ran it before batching."""
-            track.kv.length = min(track.kv.length, start)
-            cos_sin = model.rotary().cos_sin(torch.arange(start, start + len(next_ids)),
-                                             torch.float32)
-            with torch.inference_mode():
-                out = drafter.block(model._embed(torch.tensor([next_ids])), hidden[None],
-                                    cos_sin, track.kv)
-            track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
+    def run(track: _Track, hidden: torch.Tensor, next_ids: list[int], start: int) -> None:
+        """One request through the block as the drafter ran it before batching."""
+        track.kv.length = min(track.kv.length, start)
+        cos_sin = model.rotary().cos_sin(torch.arange(start, start + len(next_ids)),
+                                         torch.float32)
+        with torch.inference_mode():
+            out = drafter.block(model._embed(torch.tensor([next_ids])), hidden[None],
+                                cos_sin, track.kv)
+        track.hidden, track.position = out[:, -1:], start + len(next_ids) - 1
 
-        def fed(rids) -> dict[str, _Track]:
-            tracks = {rid: _Track(drafter._new_kv()) for rid in rids}
-            for rid, track in tracks.items():
-                run(track, *inputs[rid], 0)
-            return tracks
+    def fed(rids) -> dict[str, _Track]:
+        tracks = {rid: _Track(drafter._new_kv()) for rid in rids}
+        for rid, track in tracks.items():
+            run(track, *inputs[rid], 0)
+        return tracks
 
-        alone = {}
-        for rid in ("a", "b"):  # the chain as the drafter ran it before: block and head per step
-            track = fed([rid])[rid]
-            chain = [int(model._head(track.hidden[0]).argmax(-1))]
-            while len(chain) < wanted[rid]:
-                run(track, track.hidden[0], [chain[-1]], track.position + 1)
-                chain.append(int(model._head(track.hidden[0]).argmax(-1)))
-            alone[rid] = chain
-        drafter._tracks = fed(inputs)
-        drafter.draft(list(drafter._tracks.values()))
-        before = {rid: (t.draft, t.position, t.hidden) for rid, t in drafter._tracks.items()}
-        assert drafter.propose_many(wanted) == alone and len(alone["a"]) == 3
-        for rid, track in drafter._tracks.items():  # each track as it was before the chains
-            draft, position, hidden = before[rid]
-            assert (track.draft, track.position) == (draft, position)
-            assert track.hidden is hidden
-    finally:
-        model.keep_hidden = False  # the session's model: as the drafter found it
+    alone = {}
+    for rid in ("a", "b"):  # the chain as the drafter ran it before: block and head per step
+        track = fed([rid])[rid]
+        chain = [int(model.head_out(track.hidden[0]).argmax(-1))]
+        while len(chain) < wanted[rid]:
+            run(track, track.hidden[0], [chain[-1]], track.position + 1)
+            chain.append(int(model.head_out(track.hidden[0]).argmax(-1)))
+        alone[rid] = chain
+    drafter._tracks = fed(inputs)
+    drafter.draft(list(drafter._tracks.values()))
+    before = {rid: (t.draft, t.position, t.hidden) for rid, t in drafter._tracks.items()}
+    assert drafter.propose_many(wanted) == alone and len(alone["a"]) == 3
+    for rid, track in drafter._tracks.items():  # each track as it was before the chains
+        draft, position, hidden = before[rid]
+        assert (track.draft, track.position) == (draft, position)
+        assert track.hidden is hidden
 
 
 @pytest.mark.parametrize("rows", [(1, 1, 1), (2, 1, 3)], ids=["draft-steps", "observe"])
