@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.env import env
+from deltaserve.ops import tuning
 from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.quant.schemes import Scheme, dequantize, unpack_codes
 
@@ -87,37 +88,14 @@ def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Which int8 kernel won per (N, K) window [n_lo, n_hi) x [k_lo, k_hi), first match; shapes outside
-# every window take VNNI. Measured 2026-11-29 on the 2-core AVX512-VNNI Xeon, 2 threads, by
-#   python scripts/cpu/qgemv_bench.py --out qgemv_cpu.json
-# Comments: the shape measured there, exact -> VNNI µs when streamed from DRAM ("cold"). VNNI won
-# every shape, cold (1.11-1.18x) and cache-hot (1.19-1.88x); the table is the record, and the
-# place to send a window back to "exact" if a later kernel or machine says so.
-_Q8_WINNERS: dict[tuple[int, int, int, int], str] = {
-    (0, 3072, 0, 1536): "vnni",  # 2048x1024: 208.5 -> 183.0
-    (3072, 5120, 0, 1536): "vnni",  # 4096x1024: 289.9 -> 253.9
-    (5120, 6656, 0, 1536): "vnni",  # 6144x1024: 376.8 -> 325.0
-    (6656, 16384, 0, 1536): "vnni",  # 7168x1024: 488.1 -> 413.1
-    (16384, 1 << 40, 0, 1536): "vnni",  # 248320x1024 (vocabulary head): 15025 -> 12990
-    (0, 3072, 1536, 2560): "vnni",  # 1024x2048: 128.4 -> 116.1
-    (0, 3072, 2560, 4096): "vnni",  # 1024x3584: 246.3 -> 217.2
-}
-
-
-# The same for 4-bit affine weights: ds_gemv_a4_vnni (fp16 scales and biases) against the
-# fp32-activation ds_gemv_a4 (fp32 ones). Measured 2026-12-01 on the 2-core AVX512-VNNI Xeon, 2
-# threads, by `python scripts/cpu/qgemv_bench.py --format int4 --out qgemv_cpu_int4.json`
-# (docs/benchmarks/2026-12-01-cpu-qgemv-int4-vnni.json); comments as above. VNNI won every shape,
-# cold 1.33-1.51x and cache-hot 1.51-2.82x (the exact kernel is bound by nibble work, not bytes).
-_A4_WINNERS: dict[tuple[int, int, int, int], str] = {
-    (0, 3072, 0, 1536): "vnni",  # 2048x1024: 77.5 -> 58.5
-    (3072, 5120, 0, 1536): "vnni",  # 4096x1024: 152.6 -> 103.4
-    (5120, 6656, 0, 1536): "vnni",  # 6144x1024: 204.4 -> 143.5
-    (6656, 16384, 0, 1536): "vnni",  # 7168x1024: 241.2 -> 172.9
-    (16384, 1 << 40, 0, 1536): "vnni",  # 248320x1024 (vocabulary head): 8079.7 -> 5338.7
-    (0, 3072, 1536, 2560): "vnni",  # 1024x2048: 84.2 -> 63.6
-    (0, 3072, 2560, 4096): "vnni",  # 1024x3584: 126.5 -> 94.8
-}
+# Which int8 / 4-bit affine GEMV kernel won per (N, K) window [n_lo, n_hi) x [k_lo, k_hi), first
+# match; shapes outside every window take VNNI. Data with provenance (record, commit, the two
+# kernels' microseconds per shape): ops/tuning/cpu-qgemv-{int8,int4}.json, measured by
+# `python scripts/cpu/qgemv_bench.py [--format int4] --out F` on the 2-core AVX512-VNNI Xeon.
+# VNNI won every shape there (int8 cold 1.11-1.18x, int4 1.33-1.51x); the file is the place to send
+# a window back to "exact" if a later kernel or machine says so.
+_Q8_WINNERS = tuning.table("cpu-qgemv-int8")
+_A4_WINNERS = tuning.table("cpu-qgemv-int4")
 
 
 @functools.cache  # every decode GEMV asks; the answer per shape never changes

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops import gemv_prologue
+from deltaserve.ops import gemv_prologue, tuning
 from deltaserve.ops.backend import pdl_args, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
@@ -59,24 +59,11 @@ if triton is not None:
 
 
 # (K, N window [lo, hi)) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the best L2-cold
-# config per Qwen3.5 0.8B / 2B decode shape from `python scripts/gpu/gemv_tune.py` on one H200,
-# 2026-11-30 (docs/benchmarks/2026-11-30-h200-gemv-tune.json): every entry beat cuBLAS there; a shape
-# without an entry keeps F.linear. 0.8B GEMVs per token: 913 us cuBLAS -> 589 us with these.
+# config per Qwen3.5 0.8B / 2B decode shape on one H200, every entry faster than cuBLAS there; a
+# shape without an entry keeps F.linear. 0.8B GEMVs per token: 913 us cuBLAS -> 589 us with these.
+# Data with provenance: ops/tuning/h200-triton-gemv.json (`python scripts/gpu/gemv_tune.py`).
 Config = tuple[int, int, int, int, int]
-TUNED: dict[tuple[int, int, int], Config] = {
-    (1024, 5120, 5121): (4, 512, 4, 1, 1),  # attn_qkv 0.8b: 4.78 vs cuBLAS 5.57 us
-    (1024, 7168, 7169): (8, 512, 4, 3, 1),  # mlp_gate_up 0.8b: 5.84 vs 6.59 us
-    (1024, 8224, 8225): (8, 256, 4, 3, 1),  # gdn_in_proj 0.8b: 6.38 vs 6.60 us
-    (1024, 248320, 248321): (8, 256, 2, 1, 1),  # head 0.8b (sampling path): 116.1 vs 125.1 us
-    (2048, 1024, 1025): (2, 1024, 4, 1, 1),  # gdn_out_proj / attn_o 0.8b: 3.28 vs 12.76 us
-    (2048, 2048, 2049): (2, 1024, 4, 1, 1),  # gdn_out_proj / attn_o 2b: 4.14 vs 6.16 us
-    (2048, 5120, 5121): (4, 512, 4, 1, 1),  # attn_qkv 2b: 7.51 vs 8.42 us
-    (2048, 8224, 8225): (16, 256, 8, 1, 1),  # gdn_in_proj 2b: 10.81 vs 11.96 us
-    (2048, 12288, 12289): (16, 256, 4, 3, 1),  # mlp_gate_up 2b: 14.54 vs 15.65 us
-    (2048, 248320, 248321): (2, 1024, 4, 1, 1),  # head 2b (sampling path): 223.7 vs 271.5 us
-    (3584, 1024, 1025): (2, 1024, 4, 1, 1),  # mlp_down 0.8b: 4.61 vs 7.13 us
-    (6144, 2048, 2049): (2, 1024, 4, 1, 1),  # mlp_down 2b: 8.60 vs 10.76 us
-}
+TUNED: dict[tuple[int, int, int], Config] = tuning.table("h200-triton-gemv")
 # Explicit calls without a config and outside TUNED (tests, the tune script's baseline).
 DEFAULT: Config = (8, 512, 4, 1, 1)
 

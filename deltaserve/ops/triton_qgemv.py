@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops import gemv_prologue
+from deltaserve.ops import gemv_prologue, tuning
 from deltaserve.ops.backend import pdl_enabled, pdl_launch, pdl_supported, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 
@@ -220,48 +220,15 @@ if triton is not None:
 
 
 # (bits, K, N window [lo, hi)) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, magic): the best
-# L2-cold config per Qwen3.5-0.8B decode shape from `python scripts/gpu/qgemv_tune.py` on one H200,
-# 2026-11-29 (docs/benchmarks/2026-11-29-h200-qgemv-tune.json; every entry beat bf16 cuBLAS on the
-# same shape). Shapes outside every window take DEFAULT, the best config on the 6144x1024 shape.
+# L2-cold config per Qwen3.5-0.8B decode shape on one H200 (every int8 / int4 entry beat bf16
+# cuBLAS on its shape; int4 rows take MAGIC 4 nibble conversions; q1 is bound by sign work, so
+# launch shapes move it little). TUNED_ARGMAX: the greedy head's GEMV where it differs (int4
+# 32 x 512 tiles). Shapes outside every window take DEFAULT, the best config on the 6144x1024
+# shape. Data with provenance per row: ops/tuning/h200-triton-qgemv{,-argmax}.json
+# (`python scripts/gpu/qgemv_tune.py`).
 Config = tuple[int, int, int, int, int]
-_BIG = 1 << 40
-TUNED: dict[tuple[int, int, int, int], Config] = {
-    (8, 1024, 0, 3072): (4, 1024, 4, 1, 1),  # 2048 rows: 2.75 us
-    (8, 1024, 3072, 5120): (8, 512, 8, 1, 1),  # 4096: 3.54 us
-    (8, 1024, 5120, 16384): (8, 512, 4, 1, 1),  # 6144 / 7168: 4.20 / 4.61 us
-    (8, 1024, 16384, _BIG): (16, 512, 1, 1, 1),  # vocabulary head 248320: 69.8 us, 94% of copy
-    (8, 2048, 0, _BIG): (2, 1024, 8, 1, 1),  # 1024 rows: 3.17 us
-    (8, 3584, 0, _BIG): (2, 1024, 8, 1, 1),  # 1024 rows: 4.53 us
-    # int4 rows >= 2048: MAGIC 4 (0.5 + n / 32 nibbles), from `qgemv_tune.py --formats int4 --quick
-    # --magic 0,4` on 2026-12-01 (docs/benchmarks/2026-12-01-h200-ba2f44d-qgemv-tune-int4-*.json);
-    # in brackets the best MAGIC 0 config of the same run. The head: 60.9% of copy with fp32
-    # scales as above, 60.7 us on fp16 scales (55.6%: the same time on fewer bytes).
-    (4, 1024, 0, 16384): (8, 1024, 4, 1, 4),  # 6144 / 7168 rows: 3.86 / 4.16 us [4.39 / 4.69]
-    # The head: 16 x 512 tiles stay best on bf16 x and y, as the engine runs it (55.1 us with PDL,
-    # 62% of copy; 32 x 512: 57.1), though 32 x 512 wins on fp32 x (51.9 against 61.3 us):
-    # `scripts/gpu/head_probe.py --kernel`, docs/benchmarks/2026-12-01-h200-c7ee210-head-kernel.json.
-    # The greedy head takes 32 x 512 (TUNED_ARGMAX).
-    (4, 1024, 16384, _BIG): (16, 512, 2, 1, 4),
-    (4, 2048, 0, _BIG): (4, 1024, 4, 1, 0),  # 4.37 us
-    (4, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 6.78 us
-}
-# q1 (bits 1) from `qgemv_tune.py --formats q1 --quick --shapes 6144x1024,1024x3584,248320x1024`
-# (27 configs, no PDL; docs/benchmarks/2026-11-30-h200-671e383-qgemv-tune-q1.json): q1 is bound by
-# the sign work, not by bytes (3% of copy on layers), so launch shapes move it little.
-TUNED.update({
-    (1, 1024, 0, 16384): (8, 1024, 8, 1, 0),  # 6144 rows: 7.90 us (DEFAULT 8.61)
-    (1, 3584, 0, _BIG): (4, 1024, 4, 1, 0),  # 1024 rows: 6.36 us (DEFAULT 8.13)
-    (1, 1024, 16384, _BIG): (32, 256, 8, 1, 0),  # vocabulary head: 225.5 us (DEFAULT 233.3)
-})
-# The greedy head's GEMV (argmax epilogue, no logits stored), where it differs from TUNED: int4
-# 32 x 512 tiles, from the full sweep on fp16 scales (`qgemv_tune.py --formats int4 --shapes
-# 248320x1024 --magic 2,4 --half-scales`, docs/benchmarks/2026-12-01-h200-c5bc882-qgemv-tune-int4-
-# head-half.json: 51.8 us against 59.2 on fp32 x); in the engine the greedy head's kernels
-# 68.3-69.2 -> 64.7-65.5 us and decode +0.3% in two A/Bs (scripts/gpu/head_probe.py;
-# docs/journal/2026-12-01-issue-4-layer-gemv-target.md).
-TUNED_ARGMAX: dict[tuple[int, int, int, int], Config] = {
-    (4, 1024, 16384, _BIG): (32, 512, 2, 1, 4),
-}
+TUNED: dict[tuple[int, int, int, int], Config] = tuning.table("h200-triton-qgemv")
+TUNED_ARGMAX: dict[tuple[int, int, int, int], Config] = tuning.table("h200-triton-qgemv-argmax")
 DEFAULT: dict[int, Config] = {8: (8, 512, 4, 1, 1), 4: (8, 1024, 4, 1, 0), 1: (8, 1024, 4, 1, 0)}
 
 
@@ -275,25 +242,10 @@ def supports(scheme) -> bool:
 
 
 # pdl=True / "tile": the best launch shape and code conversion per Qwen3.5-0.8B shape in a chain
-# of GEMVs of that shape in one CUDA graph (L2-cold), from a sweep of (BLOCK_N, warps) x (MAGIC 1 or
-# 0, MAGIC 2), BLOCK_K widened to all of K: `python scripts/gpu/qgemv_chain.py --sweep` on one
-# H200, 2026-12-01 (docs/benchmarks/2026-12-01-h200-71ab24a-qgemv-chain-magic.json). Wider
-# programs than TUNED: fewer programs leave room on the SMs for the next GEMV's programs to
-# prefetch. Comments: us per GEMV in that chain; in brackets the entry it replaced (the
-# 2026-11-30 sweep's, without MAGIC 2), timed in the same run.
-TUNED_PDL: dict[tuple[int, int, int, int], Config] = {
-    (8, 1024, 4608, 6144): (16, 1024, 8, 1, 1),  # 5120 rows: 2.60 [2.91]
-    (8, 1024, 6656, 16384): (16, 1024, 4, 1, 2),  # 7168 / 8224: 3.23 / 3.80 [3.34 / 3.91]
-    (8, 2048, 0, 2048): (8, 2048, 4, 1, 2),  # 1024 rows: 1.87 [1.94]
-    (8, 3584, 0, 2048): (4, 4096, 4, 1, 2),  # 1024 rows: 2.44 [2.55]
-    # int4: MAGIC 4 (0.5 + n / 32 nibbles) won on every shape at the same launch shapes in the
-    # 2026-12-01 sweep of MAGIC {2, 4} (docs/benchmarks/2026-12-01-h200-15e607b-qgemv-chain-magic4
-    # .json): us per GEMV, in brackets MAGIC 2 in the same run
-    (4, 1024, 4608, 6144): (16, 1024, 4, 1, 4),  # 5120: 2.63 [2.76]
-    (4, 1024, 6656, 16384): (16, 1024, 4, 1, 4),  # 7168 / 8224: 3.42 / 3.71 [3.60 / 3.87]
-    (4, 2048, 0, 2048): (8, 2048, 8, 1, 4),  # 2.28 [2.28]
-    (4, 3584, 0, 2048): (8, 4096, 8, 1, 4),  # 3.03 [3.05]
-}
+# of GEMVs of that shape in one CUDA graph (L2-cold), BLOCK_K widened to all of K: wider programs
+# than TUNED leave room on the SMs for the next GEMV's programs to prefetch. Data with provenance:
+# ops/tuning/h200-triton-qgemv-pdl.json (`python scripts/gpu/qgemv_chain.py --sweep`).
+TUNED_PDL: dict[tuple[int, int, int, int], Config] = tuning.table("h200-triton-qgemv-pdl")
 
 
 def config_for(bits: int, n: int, k: int, table: dict | None = None) -> Config:

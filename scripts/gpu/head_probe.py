@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltaserve.engine.llm import LLM  # noqa: E402
 from deltaserve.engine.sampling import SamplingParams  # noqa: E402
-from deltaserve.ops import triton_qgemv  # noqa: E402
+from deltaserve.ops import triton_qgemv, tuning  # noqa: E402
 from deltaserve.quant.convert import quantize_checkpoint  # noqa: E402
 
-HEAD_KEY = (4, 1024, 16384, triton_qgemv._BIG)
+HEAD_KEY = (4, 1024, 16384, tuning.OPEN)
 TILES = {"16x512": (16, 512, 2, 1, 4), "32x512": (32, 512, 2, 1, 4)}
 _launch = triton_qgemv._launch
 
