@@ -24,6 +24,7 @@ from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, erro
 from deltaserve.server.host import ModelHost
 from deltaserve.server.images import check_image_parts, image_prompt
 from deltaserve.server.metrics import metrics_text
+from deltaserve.server.output import ChoiceOutput
 from deltaserve.server.prepare import Preparer
 from deltaserve.server.protocol import (
     ChatCompletionRequest,
@@ -150,10 +151,16 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         head_lp = None
         if echo and num_lp is not None:
             head_lp = await driver.call_every_rank(lp.completion_logprobs, llm, ids, 0, num_lp)
+        # the whole response's outputs (a stream makes its own): generated text's offsets count
+        # from the end of the echoed prompt's last token
+        start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
+        outputs = [ChoiceOutput(kind, thinking, llm.tokenizer.decode, num_lp or 0,
+                                num_lp is not None, start) for _ in range(body.n)]
         if limit == 0:  # echo only: score the prompt, generate nothing
-            outs = [("", "length", [], [])] * body.n
-            return JSONResponse(_whole(rid_for(kind), kind, ids, outs, head, head_lp, num_lp,
-                                       thinking, llm))
+            for out in outputs:
+                out.finish_reason = "length"
+            return JSONResponse(response(rid_for(kind), kind, served_name,
+                                         [o.whole() for o in outputs], len(ids), head, head_lp))
         choices = Choices(rid_for(kind), body.n, driver, request)
         await choices.submit(ids, params, images)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
@@ -161,30 +168,18 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             choices.fail_on(first[1])
             spec = StreamSpec(kind, served_name, len(ids), bool(
                 body.stream_options and body.stream_options.include_usage), thinking,
-                llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None)
+                llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None,
+                num_lp is not None)
             return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
         try:
-            outs = await collect(choices)
+            await collect(choices, outputs)
         except ClientGone:  # aborted; the answer would go nowhere (nginx's 499)
             return Response(status_code=499)
         finally:
             choices.abort()  # finished ids are ignored; one still running must not run on
             choices.close()
-        return JSONResponse(_whole(choices.rid, kind, ids, outs, head, head_lp, num_lp,
-                                   thinking, llm))
-
-    def _whole(rid, kind, ids, outs, head, head_lp, num_lp, thinking, llm) -> dict:
-        """The whole response: each choice's text after the echoed prompt (if any), and its
-        logprobs when asked (the prompt's part first)."""
-        out = response(rid, kind, served_name, [(head + t, r) for t, r, _, _ in outs], len(ids),
-                       sum(len(o) for _, _, o, _ in outs), thinking)
-        if num_lp is not None:
-            start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
-            for i, (_, _, out_ids, entries) in enumerate(outs):
-                tail, _ = lp.step_logprobs(kind, llm.tokenizer.decode, out_ids, entries,
-                                           num_lp, start)
-                out["choices"][i]["logprobs"] = lp.joined(head_lp, tail)
-        return out
+        return JSONResponse(response(choices.rid, kind, served_name,
+                                     [o.whole() for o in outputs], len(ids), head, head_lp))
 
     return app
 

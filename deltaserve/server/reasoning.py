@@ -42,13 +42,3 @@ class ReasoningSplitter:
             text = text.lstrip("\n")  # the blank line after </think>
             self.content_started = bool(text)
         return text
-
-
-def split(text: str, thinking: bool) -> tuple[str | None, str]:
-    """The whole output at once: (reasoning or None, content)."""
-    if not thinking:
-        return None, text
-    splitter = ReasoningSplitter(True)
-    reasoning, content = splitter.push(text)
-    tail, _ = splitter.finish()
-    return (reasoning + tail).rstrip("\n"), content

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from deltaserve.errors import QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead
 from deltaserve.server.errors import ApiError
-from deltaserve.server.reasoning import ReasoningSplitter, split
+from deltaserve.server.logprobs import joined
+from deltaserve.server.output import ChoiceOutput, Whole
 
 _GONE = (-1, None)  # merged's item once the client has disconnected
 
@@ -100,22 +101,12 @@ def _admission_error(item) -> ApiError:
     return ApiError(400, str(item))
 
 
-async def collect(choices: Choices) -> list[tuple[str, str, list[int], list]]:
-    """Per choice: (text, finish reason, token ids, the engine's logprob entries if asked)."""
-    n = len(choices.rids)
-    parts: list[list[str]] = [[] for _ in range(n)]
-    ids: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    while any(r is None for r in reasons):
+async def collect(choices: Choices, outputs: list[ChoiceOutput]) -> None:
+    """Every choice's events through its output until each has finished."""
+    while any(o.finish_reason is None for o in outputs):
         i, ev = await choices.next()
         choices.fail_on(ev)
-        parts[i].append(ev.text)
-        ids[i].extend(ev.token_ids)
-        lps[i].extend(ev.logprobs or ())
-        if ev.finished:
-            reasons[i] = ev.finish_reason or "stop"
-    return [("".join(parts[i]), reasons[i], ids[i], lps[i]) for i in range(n)]
+        outputs[i].push(ev)
 
 
 def usage(n_prompt: int, n_out: int) -> dict:
@@ -136,24 +127,25 @@ def choice(kind: str, index: int, text: str, reason: str | None, delta: bool,
     return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason}
 
 
-def response(rid, kind, model, outs: list[tuple[str, str]], n_prompt: int, n_out: int,
-             thinking: bool = False) -> dict:
-    """outs: per choice (text, finish reason)."""
+def response(rid, kind, model, wholes: list[Whole], n_prompt: int, head: str = "",
+             head_lp: dict | None = None) -> dict:
+    """The whole response body: each choice's text after the echoed prompt `head` (if any), and
+    its logprobs when asked (the prompt's part, head_lp, first)."""
     built = []
-    for i, (text, reason) in enumerate(outs):
-        reasoning = None
-        if kind == "chat.completion":
-            reasoning, text = split(text, thinking)
-        built.append(choice(kind, i, text, reason, False, reasoning))
+    for i, w in enumerate(wholes):
+        item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning)
+        if w.logprobs is not None:
+            item["logprobs"] = joined(head_lp, w.logprobs)
+        built.append(item)
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-            "choices": built, "usage": usage(n_prompt, n_out)}
+            "choices": built, "usage": usage(n_prompt, sum(len(w.token_ids) for w in wholes))}
 
 
 @dataclass
 class StreamSpec:
     """How a stream renders: its kind, usage, the reasoning split, and for logprobs the
-    tokenizer's decode and the alternatives per token; `echo` = (prompt text, its logprobs
-    object or None), sent first in every choice."""
+    tokenizer's decode and the alternatives per token (want_logprobs: asked at all); `echo` =
+    (prompt text, its logprobs object or None), sent first in every choice."""
 
     kind: str
     model: str
@@ -163,17 +155,20 @@ class StreamSpec:
     decode: object = None
     top_k: int = 0
     echo: tuple[str, dict | None] | None = None
+    want_logprobs: bool = False
+
+    def output(self) -> ChoiceOutput:
+        """One choice's output processor (its text offsets start after the echoed prompt)."""
+        return ChoiceOutput(self.kind, self.thinking, self.decode, self.top_k,
+                            self.want_logprobs, len(self.echo[0]) if self.echo else 0)
 
 
 async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
-    from deltaserve.server.logprobs import step_logprobs
-
     kind = spec.kind
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created, n_out, n = int(time.time()), 0, len(choices.rids)
-    splitters = [ReasoningSplitter(spec.thinking and kind == "chat.completion") for _ in range(n)]
+    outputs = [spec.output() for _ in range(n)]
     open_choices = set(range(n))
-    offsets = [len(spec.echo[0]) if spec.echo else 0] * n
 
     def frame(items, use=None) -> str:
         body = {"id": choices.rid, "object": chunk_kind, "created": created, "model": spec.model,
@@ -197,16 +192,13 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
                 yield "data: [DONE]\n\n"
                 return
             n_out += len(ev.token_ids)
-            reasoning, text = splitters[i].push(ev.text)
+            delta = outputs[i].push(ev)
             if ev.finished:
                 open_choices.discard(i)
-                reasoning += splitters[i].finish()[0]
-            if text or reasoning or ev.finished or ev.logprobs:
-                reason = (ev.finish_reason or "stop") if ev.finished else None
-                item = choice(kind, i, text, reason, True, reasoning)
-                if ev.logprobs:
-                    item["logprobs"], offsets[i] = step_logprobs(
-                        kind, spec.decode, ev.token_ids, ev.logprobs, spec.top_k, offsets[i])
+            if delta.text or delta.reasoning or ev.finished or delta.logprobs:
+                item = choice(kind, i, delta.text, delta.finish_reason, True, delta.reasoning)
+                if delta.logprobs:
+                    item["logprobs"] = delta.logprobs
                 yield frame([item])
         if spec.include_usage:
             yield frame([], usage(spec.n_prompt, n_out))
