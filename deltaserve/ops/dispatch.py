@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +27,9 @@ from deltaserve.env import env
 REFERENCE = "reference"
 
 
-@dataclass(frozen=True, slots=True)
-class Case:
-    """What an implementation's verifier may read: never a tensor, so the choice can be cached."""
+class Case(NamedTuple):
+    """What an implementation's verifier may read: never a tensor, so the choice can be cached
+    (a tuple: built and hashed on every op call, in C)."""
 
     device: str  # torch device type: cpu, cuda
     dtype: torch.dtype  # the op's leading input dtype
@@ -54,7 +55,8 @@ class Op:
         """fields: what each element of a Case's shape means (for `deltaserve ops`)."""
         self.name, self.doc, self.fields = name, doc, fields
         self.impls: list[Impl] = []
-        self._chosen: dict[tuple, Impl] = {}
+        self._chosen: dict[Case, Impl] = {}  # for the knobs of _env
+        self._env = None
         OPS[name] = self
 
     def register(self, name: str, priority: int, why_not: Verifier | None = None):
@@ -74,10 +76,13 @@ class Op:
         self.register(name, priority, why_not)(None)
 
     def choose(self, case: Case) -> Impl:
-        key = (case, env())  # env() is one frozen object until its knobs are re-read
-        impl = self._chosen.get(key)
+        knobs = env()  # one object until the knobs are re-read: then every choice is made again
+        if knobs is not self._env:
+            self._chosen.clear()
+            self._env = knobs
+        impl = self._chosen.get(case)
         if impl is None:
-            impl = self._chosen[key] = self._pick(case)
+            impl = self._chosen[case] = self._pick(case)
         return impl
 
     def __call__(self, case: Case, *args, **kwargs):
@@ -166,9 +171,9 @@ def report() -> list[dict]:
     the implementation chosen and why each one above it could not run."""
     rows = []
     for op in OPS.values():
-        for (c, knobs), impl in sorted(op._chosen.items(), key=lambda kv: str(kv[0][0])):
-            if knobs != env():
-                continue
+        if op._env is not env():
+            continue
+        for c, impl in sorted(op._chosen.items(), key=lambda kv: str(kv[0])):
             skipped = {}
             for name, why in op.explain(c):
                 if name == impl.name:

@@ -169,12 +169,16 @@ def _quant_triton_qgemv(x, module, prologue):
     flat, p = x.reshape(-1, x.shape[-1]), packed(module)
     if prologue is not None:
         out = triton_qgemv.qgemv_cuda(flat, p, module.scheme, prologue=prologue)
-    elif flat.shape[0] == 1:  # the decode case: a cat of one tensor still costs a copy and ~12 us
-        out = triton_qgemv.qgemv_cuda(flat, p, module.scheme)
     else:
-        out = torch.cat([triton_qgemv.qgemv_cuda(flat[r : r + 1], p, module.scheme)
-                         for r in range(flat.shape[0])])
+        out = _per_row(triton_qgemv.qgemv_cuda, flat, p, module.scheme)
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _per_row(gemv, flat: torch.Tensor, p: dict, scheme) -> torch.Tensor:
+    """gemv on each row of flat [R, K] (one row: no cat, which still costs a copy and ~12 us)."""
+    if flat.shape[0] == 1:
+        return gemv(flat, p, scheme)
+    return torch.cat([gemv(flat[r : r + 1], p, scheme) for r in range(flat.shape[0])])
 
 
 @QUANT_LINEAR.register("packed_gemv", 30, lambda c: None if c.device == "cpu"
@@ -184,13 +188,9 @@ def _quant_packed_gemv(x, module, prologue):
     """CPU: the packed-code GEMV per row (fp32 x and y), or the multi-row kernel that gives each
     row the same bits in one pass over the codes."""
     flat, p = x.reshape(-1, x.shape[-1]).float(), packed(module)
-    if flat.shape[0] == 1:
-        out = qgemv(flat, p, module.scheme)
-    else:
-        out = qgemm_rows(flat, p, module.scheme)
-        if out is None:
-            out = torch.cat([qgemv(flat[r : r + 1], p, module.scheme)
-                             for r in range(flat.shape[0])])
+    out = qgemm_rows(flat, p, module.scheme) if flat.shape[0] > 1 else None
+    if out is None:
+        out = _per_row(qgemv, flat, p, module.scheme)
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
