@@ -119,6 +119,7 @@ class Op:
 
 OPS: dict[str, Op] = {}
 
+
 @dataclass(frozen=True, slots=True)
 class StepContext:
     native_rows: bool = False  # every row a decode or verify row: per-row kernels at any count
