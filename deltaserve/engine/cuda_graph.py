@@ -58,7 +58,7 @@ class DecodeGraphs:
         chunks = step.plan.chunks
         if not step.decodes or not self.supports(len(chunks)) or step.injection() is not None:
             return None
-        logits = self.run([max(c.token_ids[0], 0) for c in chunks], [c.slot for c in chunks],
+        logits = self.run([c.token_ids[0] for c in chunks], [c.slot for c in chunks],
                           [c.start_pos for c in chunks],
                           [self.cache.block_table(c.request_id) for c in chunks], step.feed)
         return step_logits(logits, step.plan)

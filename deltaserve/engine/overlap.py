@@ -2,10 +2,12 @@
 back, so the host's work per step (reading tokens, stop checks, detokenizing, scheduling) runs
 while the GPU computes the next step, instead of between steps.
 
-A launched step leaves a PLACEHOLDER in each request's output_ids (the scheduler plans the next
-step from it); the next step's input ids come from the launched step's token tensor on the device.
-Resolving the launched step (one pinned device-to-host copy, waited for by an event) writes the real
-tokens over the placeholders and emits them. A request that stops at step k was already launched
+A launched step leaves each of its requests an unread token (Request.num_unread: the position
+is taken, the id is on the device); the scheduler plans the next step from the positions, marking
+the rows whose ids are unread (ScheduledChunk.num_unread), and those rows' input ids come from the
+launched step's token tensor on the device. Resolving the launched step (one pinned
+device-to-host copy, waited for by an event) reads the tokens back into the requests, in order,
+and emits them. A request that stops at step k was already launched
 into step k+1: that row's work is discarded (the request is retired before it resolves), the only
 cost of overlapping. Only steps whose every row decodes greedily without logprobs are launched
 early; anything else (prefill chunks, sampling, logprobs) runs at once after the pending step
@@ -20,14 +22,12 @@ import torch
 
 from deltaserve.engine.scheduler import StepPlan
 
-PLACEHOLDER = -1  # an output token computed on the device, not read back yet
-
 
 @dataclass(slots=True)
 class InFlight:
     """A launched step whose tokens are still on the device."""
 
-    rows: dict[str, tuple[int, int]]  # request -> (row of `tokens`, its index in output_ids)
+    rows: dict[str, tuple[int, int]]  # request -> (row of `tokens`, its index among the outputs)
     tokens: torch.Tensor  # [rows] int64 on the device (an own copy: graph outputs get reused)
     host: torch.Tensor  # [rows (+ chunks)] int64, pinned on CUDA: tokens (+ finite flags)
     event: torch.cuda.Event | None  # recorded after the copy into `host`
@@ -44,7 +44,7 @@ def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
         live = engine.live(c.request_id)
         if live is None or not live.params.greedy or live.params.logprobs is not None:
             return False
-        if c.token_ids[0] == PLACEHOLDER and (pending is None or c.request_id not in pending.rows):
+        if c.num_unread and (pending is None or c.request_id not in pending.rows):
             return False
         req = engine.scheduler.get(c.request_id)
         if req.images is not None and c.start_pos < len(req.prompt_ids):
@@ -54,7 +54,7 @@ def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
 
 def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
     """Run the plan's forward without waiting for it; the scheduler advances with placeholders."""
-    dst = [i for i, c in enumerate(plan.chunks) if c.token_ids[0] == PLACEHOLDER]
+    dst = [i for i, c in enumerate(plan.chunks) if c.num_unread]
     feed = None
     if dst:
         feed = (pending.tokens, dst, [pending.rows[plan.chunks[i].request_id][0] for i in dst])
@@ -71,9 +71,11 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
     if cuda:
         event = torch.cuda.Event()
         event.record()
-    engine.scheduler.update(plan, {c.request_id: PLACEHOLDER for c in plan.chunks})
-    rows = {rid: (row, len(engine.scheduler.get(rid).output_ids) - 1)
-            for rid, row in logits.rows.items()}
+    engine.scheduler.update(plan, None)  # each request gets an unread token
+    rows = {}
+    for rid, row in logits.rows.items():
+        req = engine.scheduler.get(rid)
+        rows[rid] = (row, len(req.output_ids) + req.num_unread - 1)
     engine.num_steps += 1
     return InFlight(rows, tokens, host, event, list(logits.chunk_rids), flags is not None)
 
@@ -90,7 +92,7 @@ def _host_buffer(engine, which: int, numel: int, pinned: bool) -> torch.Tensor:
 
 
 def resolve(engine, pending: InFlight) -> list:
-    """Wait for the launched step, write its tokens over the placeholders, emit them."""
+    """Wait for the launched step, read its tokens back into the requests, emit them."""
     if pending.event is not None:
         pending.event.synchronize()
     values = pending.host.tolist()
@@ -105,20 +107,21 @@ def resolve(engine, pending: InFlight) -> list:
         if rid in failed:
             outs.append(engine.fail(rid))
             continue
-        engine.scheduler.get(rid).output_ids[index] = values[row]
+        engine.scheduler.read_back(rid, values[row])
         outs.append(engine.emit(rid, values[row], None, index + 1))
     return outs
 
 
 def patched(engine, plan: StepPlan) -> StepPlan:
     """A plan scheduled while a step was pending, once it resolved: chunks of requests that ended
-    meanwhile dropped, placeholders replaced by the tokens read back."""
+    meanwhile dropped, unread rows given the tokens read back."""
     chunks = []
     for c in plan.chunks:
         if engine.live(c.request_id) is None:
             continue
-        if PLACEHOLDER in c.token_ids:
+        if c.num_unread:
             req = engine.scheduler.get(c.request_id)
-            c = replace(c, token_ids=tuple(req.all_ids[c.start_pos:c.start_pos + len(c.token_ids)]))
+            c = replace(c, token_ids=req.token_slice(c.start_pos, c.start_pos + len(c.token_ids)),
+                        num_unread=0)
         chunks.append(c)
     return replace(plan, chunks=tuple(chunks))

@@ -33,7 +33,10 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int  # the scheduler never schedules past prompt+max_new_tokens
     arrival: int = 0  # set by Scheduler.add (monotonic counter): FCFS order
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # the tokens read back, in order
+    # tokens sampled on the device and not read back yet (engine/overlap.py): they take the
+    # positions after output_ids
+    num_unread: int = 0
     status: Status = Status.WAITING
     num_computed: int = 0  # leading tokens of all_ids whose effect is in the cache slot
     num_restored: int = 0  # of those, how many came from the prefix cache at admission (metrics)
@@ -53,16 +56,22 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
-    def num_tokens(self) -> int:
-        """len(all_ids) without building the list (the scheduler asks every step)."""
+    def num_known(self) -> int:
+        """len(all_ids) without building the list: the tokens whose ids the host has."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Every position the request has, the unread ones too (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_unread
 
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """all_ids[start:end] without copying the whole prompt (a decode reads one token)."""
+        """all_ids[start:end] without copying the whole prompt (a decode reads one token); known
+        positions only (end <= num_known)."""
         n = len(self.prompt_ids)
         if end <= n:
             return tuple(self.prompt_ids[start:end])

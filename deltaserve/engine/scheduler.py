@@ -71,6 +71,9 @@ class ScheduledChunk:
     start_pos: int  # absolute position of token_ids[0] (== request.num_computed at schedule time)
     sample: bool  # ends at the request's last known token: the engine samples from its last logits
     num_draft: int = 0  # speculative drafts after the pending token (spec/verify.py appends them)
+    # the last num_unread rows' ids are not on the host yet (their token_ids hold 0): the
+    # request's unread tokens, which the runner takes from the device (engine/overlap.py)
+    num_unread: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,10 +238,12 @@ class Scheduler:
         self._admit_waiting(step)
         return StepPlan(tuple(step.chunks.values()), tuple(step.preempted))
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int | tuple[int, ...]]) -> None:
+    def update(self, plan: StepPlan, sampled: Mapping[str, int | tuple[int, ...]] | None) -> None:
         """Record what the runner computed; chunks of requests finished since the plan are ignored.
         A chunk with drafts gets a tuple: the accepted drafts and the target's token after them
-        (its computed positions: the pending token and the accepted drafts, one per new token)."""
+        (its computed positions: the pending token and the accepted drafts, one per new token).
+        sampled None: a launched step (engine/overlap.py) whose tokens are still on the device;
+        each sampling chunk's request gets an unread token, read_back() gives its id."""
         applied: list[tuple[Request, ScheduledChunk]] = []
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
@@ -250,7 +255,7 @@ class Scheduler:
                     f"stale plan: the chunk for {chunk.request_id!r} starts at {chunk.start_pos} "
                     f"but {req.num_computed} tokens are computed"
                 )
-            if chunk.sample and chunk.request_id not in sampled:
+            if chunk.sample and sampled is not None and chunk.request_id not in sampled:
                 raise ValueError(
                     f"no sampled token for request {chunk.request_id!r}, whose chunk samples"
                 )
@@ -263,8 +268,18 @@ class Scheduler:
                 req.output_ids.extend(int(t) for t in tokens)
                 continue
             req.num_computed += len(chunk.token_ids)
-            if chunk.sample:
+            if chunk.sample and sampled is None:
+                req.num_unread += 1
+            elif chunk.sample:
                 req.output_ids.append(int(sampled[chunk.request_id]))
+
+    def read_back(self, request_id: str, token: int) -> None:
+        """The oldest unread token of a request, read back from the device."""
+        req = self._live(request_id)
+        if req.num_unread < 1:
+            raise ValueError(f"request {request_id!r} has no unread token")
+        req.output_ids.append(int(token))
+        req.num_unread -= 1
 
     # ---- internals ----
 
@@ -285,10 +300,11 @@ class Scheduler:
             if req.status is not Status.RUNNING or req.num_computed >= _limit(req):
                 continue
             if self._reserve(req, req.num_computed + 1, step):
+                unread = int(req.num_unread > 0)  # the token is on the device still
+                token = 0 if unread else (req.output_ids[-1] if req.output_ids
+                                          else req.prompt_ids[-1])
                 step.add(ScheduledChunk(req.request_id, self.cache.slot_of(req.request_id),
-                                        (req.output_ids[-1] if req.output_ids
-                                         else req.prompt_ids[-1],),
-                                        req.num_computed, True))
+                                        (token,), req.num_computed, True, num_unread=unread))
         for req in prefills:
             if step.budget <= 0:
                 break
@@ -345,12 +361,14 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
         end = start + n
+        unread = max(0, end - max(start, req.num_known))  # a recompute over unread tokens
         return ScheduledChunk(
             request_id=req.request_id,
             slot=self.cache.slot_of(req.request_id),
-            token_ids=req.token_slice(start, end),
+            token_ids=req.token_slice(start, end - unread) + (0,) * unread,
             start_pos=start,
             sample=end == req.num_tokens,
+            num_unread=unread,
         )
 
     def _reserve(self, req: Request, num_positions: int, step: _Step) -> bool:

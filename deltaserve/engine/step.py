@@ -152,12 +152,9 @@ class Step:
 
     def ids_tensor(self) -> torch.Tensor:
         """The step's input ids [T] on the device (fed rows taken from the device)."""
-        ids = self.ids()
-        feed = self.feed
-        out = host_to_device(np.array([max(t, 0) for t in ids] if feed else ids, np.int64),
-                             self.device)
-        if feed is not None:  # decode-only: chunk i is token i
-            fed_ids(out, feed)
+        out = host_to_device(np.array(self.ids(), np.int64), self.device)
+        if self.feed is not None:  # decode-only: chunk i is token i; the unread ones are fed
+            fed_ids(out, self.feed)
         return out
 
     def store_snapshots(self, out: StepLogits, snaps: dict[int, dict]) -> None:

@@ -128,3 +128,25 @@ def test_a_non_finite_decode_step_fails_one_request_when_overlapped(tiny_llm,
     assert got["r0"][2] == "error" and len(got["r0"][0]) == 3  # prefill + 2 decodes, then NaN
     assert got["r1"][0] == solo(tiny_llm.model, prompts["r1"], 8)[0]
     assert torch.isfinite(torch.tensor(got["r1"][0], dtype=torch.float)).all()
+
+
+def test_unread_tokens_are_counted_never_written_as_ids(tiny_llm) -> None:
+    """While a step is in flight its requests hold unread tokens (Request.num_unread: positions
+    taken, ids on the device), at most two (the step in flight and the one just launched);
+    output_ids only ever holds tokens read back, and every request ends with none unread."""
+    engine = overlapped(tiny_llm)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    for rid, ids in prompts_of([7, 13], seed=53).items():
+        engine.add_request(rid, ids, params)
+    seen_unread, vocab = 0, tiny_llm.config.vocab_size
+    while engine.has_work:
+        engine.step()
+        for rid in ("r0", "r1"):
+            if engine.live(rid) is None:
+                continue
+            req = engine.scheduler.get(rid)
+            assert 0 <= req.num_unread <= 2
+            assert all(0 <= t < vocab for t in req.output_ids)
+            assert req.num_tokens == len(req.prompt_ids) + len(req.output_ids) + req.num_unread
+            seen_unread = max(seen_unread, req.num_unread)
+    assert seen_unread >= 1  # the steps really ran ahead
