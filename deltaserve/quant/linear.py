@@ -138,15 +138,21 @@ def quant_case(x: torch.Tensor, module: nn.Module) -> Case:
                     rows <= max_rows))
 
 
+def _triton_why_not(c: Case, rows_ok: bool, rows: str, kernel) -> str | None:
+    """A Triton kernel module (supports(scheme), available()) for CUDA rows that rows_ok."""
+    if c.device != "cuda" or not rows_ok:
+        return rows
+    if not kernel.supports(c.shape[0]):
+        return "a layout the Triton kernel does not read"
+    return None if kernel.available() else "the triton backend is off"
+
+
 def _qgemm_why_not(c: Case) -> str | None:
     """A decode batch of rows on CUDA with int8 weights: the Triton GEMM that dequantizes in
     registers (ops/triton_qgemm) instead of a dequantized copy per step."""
-    scheme, _, batch, _ = c.shape
-    if c.device != "cuda" or scheme.kind != "int8" or not batch:
-        return f"not 2..{triton_qgemm.MAX_ROWS} CUDA rows on int8 weights"
-    if not triton_qgemm.supports(scheme):
-        return "a layout the Triton GEMM does not read"
-    return None if triton_qgemm.available() else "the triton backend is off"
+    return _triton_why_not(c, c.shape[0].kind == "int8" and c.shape[2],
+                           f"not 2..{triton_qgemm.MAX_ROWS} CUDA rows on int8 weights",
+                           triton_qgemm)
 
 
 @QUANT_LINEAR.register("triton_qgemm", 40, _qgemm_why_not)
@@ -156,12 +162,8 @@ def _quant_triton_qgemm(x, module, prologue):
 
 
 def _qgemv_why_not(c: Case) -> str | None:
-    scheme, _, _, gemv_rows = c.shape
-    if c.device != "cuda" or not gemv_rows:
-        return f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows"
-    if not triton_qgemv.supports(scheme):
-        return "a layout the Triton GEMV does not read"
-    return None if triton_qgemv.available() else "the triton backend is off"
+    return _triton_why_not(c, c.shape[3], f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows",
+                           triton_qgemv)
 
 
 @QUANT_LINEAR.register("triton_qgemv", 35, _qgemv_why_not)

@@ -139,3 +139,22 @@ def test_reference_ops_runs_only_references_in_a_real_model(tiny_dir, monkeypatc
     assert {r["op"] for r in rows} >= {"rms_norm", "gdn_prefill", "gdn_decode", "attention",
                                         "linear", "silu_mul"}
     assert all(r["chosen"] == REFERENCE for r in rows), [r for r in rows if r["chosen"] != REFERENCE]
+
+
+def test_quant_linear_on_a_gpu(fake_triton, monkeypatch) -> None:
+    """Packed weights on CUDA: the int8 batch GEMM for 2..MAX_ROWS rows, the GEMV for one row
+    (and for int4, which the GEMM does not read), dequantize + GEMM for prefill-sized rows."""
+    from deltaserve.ops import triton_qgemm, triton_qgemv
+    from deltaserve.quant.linear import QUANT_LINEAR
+    from deltaserve.quant.schemes import Scheme
+
+    monkeypatch.setattr(triton_qgemm, "available", lambda: True)
+    monkeypatch.setattr(triton_qgemv, "available", lambda: True)
+    dispatch.forget()
+    int8, int4 = Scheme("int8", 8, 64), Scheme("affine", 4, 64)
+    pick = lambda scheme, *rows: QUANT_LINEAR.choose(Case("cuda", torch.bfloat16,  # noqa: E731
+                                                          (scheme, *rows))).name
+    assert pick(int8, False, True, True) == "triton_qgemm"
+    assert pick(int8, True, False, True) == "triton_qgemv"
+    assert pick(int4, False, True, True) == "triton_qgemv"
+    assert pick(int8, False, False, False) == "dequantize_gemm"
