@@ -99,6 +99,7 @@ class Step:
     decodes: bool = field(init=False)
     _chunks: list[SeqChunk] | None = None
     _batch: StepBatch | None = None
+    _injection: tuple | None = None  # (injection or None,) once computed
 
     def __post_init__(self) -> None:
         self.decodes = all(len(c.token_ids) == 1 for c in self.plan.chunks)
@@ -122,7 +123,15 @@ class Step:
 
     def injection(self) -> Injection | None:
         """(rows of the step [R], embeddings [R,N]) for the image placeholders the plan's chunks
-        cover, or None: a chunk [start, end) takes the rows of its request's positions in it."""
+        cover, or None: a chunk [start, end) takes the rows of its request's positions in it
+        (computed once: several executors ask)."""
+        if self._injection is None:
+            self._injection = (self._build_injection(),)
+        return self._injection[0]
+
+    def _build_injection(self) -> Injection | None:
+        if not self.images:
+            return None
         rows, embeds, offset = [], [], 0
         for c in self.plan.chunks:
             image = self.images.get(c.request_id)
