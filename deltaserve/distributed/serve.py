@@ -84,7 +84,7 @@ def wire(cmd: tuple) -> tuple | None:
     (a plain call: the vision tower, which runs no collective and changes no engine state)."""
     kind = cmd[0]
     if kind == "add":
-        _, rid, ids, params, _, _, images = cmd
+        _, rid, ids, params, _, _, images, _ = cmd
         if images is not None:  # rank 0's device is not theirs
             images = dataclasses.replace(images, embeds=images.embeds.cpu())
         return ("add", rid, list(ids), params, images)

@@ -1,10 +1,12 @@
 """The async bridge: the engine's step loop runs on one thread; request handlers (asyncio) submit
-requests and read each one's events from its own asyncio.Queue. The engine is touched by that
-thread only: adds and aborts reach it through a command queue, drained between steps, and what
-/metrics shows it publishes as an immutable snapshot after each step (metrics.Gauges).
+requests and read each API request's events from its one asyncio.Queue (its n choices are n
+engine requests feeding that queue). The engine is touched by that thread only: adds and aborts
+reach it through a command queue, drained between steps, and what /metrics shows it publishes as
+an immutable snapshot after each step (metrics.Gauges).
 
-Per request the queue yields ADMITTED (or the admission error, e.g. CapacityError for a full
-queue), then StepOutputs until one is finished, or an EngineDead if the loop failed.
+The queue yields (choice index, item) pairs: per choice ADMITTED (or the admission error, e.g.
+CapacityError for a full queue), then StepOutputs until one is finished, or an EngineDead if the
+loop failed.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class EngineDriver:
         self.error: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._unsent: list = []  # commands taken off the queue, not yet sent to the other ranks
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # engine request -> (the handler's loop, its API request's queue, the choice index)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         # request -> [admitted, last token, first token] at (monotonic s)
         self._times: dict[str, list[float]] = {}
         self._wake = threading.Event()
@@ -163,20 +166,27 @@ class EngineDriver:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params,
+    def submit(self, request_ids: list[str], prompt_ids: list[int], params: list,
                images=None) -> asyncio.Queue:
-        """From a handler on the event loop: the request's event queue (images: the prompt's
-        engine.request.ImageInputs, or None)."""
+        """From a handler on the event loop: one API request's choices (engine request ids and
+        their SamplingParams, one prompt) and the one queue all their events go to (images: the
+        prompt's engine.request.ImageInputs, or None)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.alive:  # nobody would ever answer: fail now
-            events.put_nowait(EngineDead(self.error or "the engine loop has stopped"))
+            self._dead_on(events, len(request_ids))
             return events
-        self._cmds.put(("add", request_id, prompt_ids, params, asyncio.get_running_loop(), events,
-                        images))
+        loop = asyncio.get_running_loop()
+        for index, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            self._cmds.put(("add", rid, prompt_ids, p, loop, events, images, index))
         self._wake.set()
         if not self.alive:  # died meanwhile: its _fail_all may have drained the queue already
-            events.put_nowait(EngineDead(self.error or "the engine loop has stopped"))
+            self._dead_on(events, len(request_ids))
         return events
+
+    def _dead_on(self, events: asyncio.Queue, n: int) -> None:
+        dead = EngineDead(self.error or "the engine loop has stopped")
+        for index in range(n):
+            events.put_nowait((index, dead))
 
     async def call(self, fn):
         """Run fn() on the engine thread between steps (the model is used by that thread only);
@@ -259,7 +269,7 @@ class EngineDriver:
         self._streams.clear()
         for cmd in [*self._unsent, *self._queued()]:
             if cmd[0] == "add":
-                cmd[4].call_soon_threadsafe(cmd[5].put_nowait, dead)
+                cmd[4].call_soon_threadsafe(cmd[5].put_nowait, (cmd[7], dead))
             elif cmd[0] == "call":
                 cmd[2].call_soon_threadsafe(_settle, cmd[3], None, dead)
 
@@ -285,8 +295,8 @@ class EngineDriver:
             self._unsent = []
         for cmd in cmds:
             if cmd[0] == "add":
-                _, rid, ids, params, loop, events, images = cmd
-                self._streams[rid] = (loop, events)
+                _, rid, ids, params, loop, events, images, index = cmd
+                self._streams[rid] = (loop, events, index)
                 try:
                     self.engine.add_request(rid, ids, params, images)
                 except Exception as exc:  # RequestError / CapacityError: the handler maps it
@@ -334,8 +344,8 @@ class EngineDriver:
     def _send(self, rid: str, item) -> None:
         stream = self._streams.get(rid)
         if stream is not None:
-            loop, events = stream
-            loop.call_soon_threadsafe(events.put_nowait, item)
+            loop, events, index = stream
+            loop.call_soon_threadsafe(events.put_nowait, (index, item))
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

@@ -9,6 +9,7 @@ request whose client left is aborted before the engine's next step, streamed or 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from deltaserve.server.errors import ApiError
 from deltaserve.server.logprobs import joined
 from deltaserve.server.output import ChoiceOutput, Whole
 
-_GONE = (-1, None)  # merged's item once the client has disconnected
+_GONE = (-1, None)  # the queue's item once the client has disconnected
 
 
 class ClientGone(Exception):
@@ -32,41 +33,44 @@ class Choices:
         """request: the HTTP request whose disconnect aborts the choices."""
         self.rid, self.driver, self.request = rid, driver, request
         self.rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        self.merged: asyncio.Queue = asyncio.Queue()  # (choice index, event)
+        self.events: asyncio.Queue = asyncio.Queue()  # (choice index, item): every choice's
+        self._early: collections.deque = collections.deque()  # taken while admitting, in order
         self._tasks: list[asyncio.Task] = []
 
     async def submit(self, ids: list[int], params: list, images=None) -> None:
         """Every choice admitted, or none (the admitted ones are aborted) and an ApiError."""
-        queues = [self.driver.submit(r, ids, p, images)
-                  for r, p in zip(self.rids, params, strict=True)]
+        self.events = self.driver.submit(self.rids, ids, params, images)
         self._tasks = [asyncio.create_task(self._watch())]
-        firsts = [await q.get() for q in queues]
-        refused = next((f for f in firsts if f is not ADMITTED), None)
+        # a choice's first item says whether it was admitted; the events of a choice admitted
+        # earlier (or a disconnect) may come before another's, and are kept for next()
+        pending, refused = set(range(len(self.rids))), None
+        while pending:
+            index, item = await self.events.get()
+            if index in pending:
+                pending.discard(index)
+                if item is not ADMITTED and refused is None:
+                    refused = item
+            else:
+                self._early.append((index, item))
+                if index == _GONE[0]:
+                    break
         if refused is not None:
             self.abort()
             raise _admission_error(refused)
-        self._tasks += [asyncio.create_task(self._forward(i, q)) for i, q in enumerate(queues)]
 
     async def _watch(self) -> None:
         """Waits for http.disconnect (the body was read already: nothing else arrives). The
         server also says so once the response is complete; the choices are finished by then."""
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
-        self.merged.put_nowait(_GONE)
+        self.events.put_nowait(_GONE)
         for rid in self.rids:
             self.driver.abort(rid)
 
     def close(self) -> None:
-        """The response is complete: stop watching and forwarding."""
+        """The response is complete: stop watching."""
         for task in self._tasks:
             task.cancel()
-
-    async def _forward(self, index: int, events: asyncio.Queue) -> None:
-        while True:
-            ev = await events.get()
-            self.merged.put_nowait((index, ev))
-            if isinstance(ev, Exception) or ev.finished:
-                return
 
     def abort(self) -> None:
         for rid in self.rids:  # finished or unknown ids are ignored by the driver
@@ -76,8 +80,8 @@ class Choices:
 
     async def next(self):
         """The next (index, event); the client went away: everything aborted, ClientGone."""
-        item = await self.merged.get()
-        if item is _GONE:
+        item = self._early.popleft() if self._early else await self.events.get()
+        if item[0] == _GONE[0]:
             self.abort()
             raise ClientGone
         return item

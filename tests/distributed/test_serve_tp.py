@@ -232,7 +232,7 @@ def test_an_image_request_reaches_the_other_ranks_whole() -> None:
 
     images = ImageInputs((1, 2), torch.randn(2, 8), (5, -7, -7, 6))
     params = SamplingParams(temperature=0, max_tokens=3)
-    cmd = ("add", "r1", [5, 9, 9, 6], params, None, None, images)
+    cmd = ("add", "r1", [5, 9, 9, 6], params, None, None, images, 0)
     sent = pickle.loads(pickle.dumps(wire(cmd)))
     added = []
     engine = SimpleNamespace(add_request=lambda *a: added.append(a))
