@@ -26,6 +26,12 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    for name, what in (("presence", "OpenAI's, -2..2"), ("frequency", "OpenAI's, -2..2"),
+                       ("repetition", "HF/vLLM's, > 0; 1 = off")):
+        p.add_argument(f"--{name}-penalty", type=float, default=None,
+                       help=f"{what} (default: the checkpoint's generation_config)")
+    p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="the output is JSON valid against this JSON schema file")
 
 
 def _image_args(p: argparse.ArgumentParser, how: str) -> None:

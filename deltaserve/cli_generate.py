@@ -11,8 +11,9 @@ import sys
 from deltaserve.engine.args import EngineArgs
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.sampling import SamplingParams
-from deltaserve.errors import RequestError
+from deltaserve.errors import ConfigError, RequestError
 from deltaserve.multimodal.processor import IMAGE_PAD
+from deltaserve.structured.params import StructuredOutputsParams
 
 
 def _load(args: argparse.Namespace) -> LLM:
@@ -37,7 +38,22 @@ def _params(llm: LLM, args: argparse.Namespace) -> SamplingParams:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        presence_penalty=pick(args.presence_penalty, base.presence_penalty),
+        frequency_penalty=pick(args.frequency_penalty, base.frequency_penalty),
+        repetition_penalty=pick(args.repetition_penalty, base.repetition_penalty),
+        structured_outputs=_schema(args.json_schema),
     )
+
+
+def _schema(path) -> StructuredOutputsParams | None:
+    """--json-schema FILE: the file's schema as the output's constraint."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--json-schema: cannot read {path}: {exc.strerror}") from None
+    return StructuredOutputsParams(json=text)
 
 
 def _footer(metrics: dict[str, float], llm=None) -> None:

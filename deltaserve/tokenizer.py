@@ -33,6 +33,11 @@ class Tokenizer:
         self.special_tokens: tuple[str, ...] = tuple(specials)
         self.special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (the grammar engine reads its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         """Raw text to ids; special-token strings in the text are recognised (chat prompts use them).
 

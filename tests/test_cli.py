@@ -194,3 +194,23 @@ def test_default_model_is_the_shipped_trained_one(capsys) -> None:
     assert "stdlib-19m" in captured.err and "tokens-per-sec" in captured.err
     # a trained model continues a def with an indented body; random weights would not
     assert captured.out.startswith("    ") and len(captured.out.strip()) > 20
+
+
+def test_generate_json_schema_and_penalties(capsys, tmp_path) -> None:
+    """--json-schema FILE constrains the output (the embedded default model); a file that is not
+    a schema is one error line; the penalties flags reach the sampler."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "bad.json").write_text("{bad")
+    base = ["generate", "-p", "config = ", "--max-tokens", "100", "--temperature", "0"]
+    assert main([*base, "--json-schema", str(tmp_path / "s.json")]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), schema)
+    assert main([*base, "--json-schema", str(tmp_path / "bad.json")]) != 0
+    assert "the JSON schema is not valid JSON" in capsys.readouterr().err
+    assert main([*base, "--max-tokens", "24"]) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--max-tokens", "24", "--repetition-penalty", "1.5"]) == 0
+    assert capsys.readouterr().out != plain

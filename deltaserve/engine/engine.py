@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
+from deltaserve.engine.processors import Processor, apply
 from deltaserve.engine.request import ImageInputs, Request, Status
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
@@ -23,6 +24,10 @@ from deltaserve.engine.stopping import StopChecker
 from deltaserve.errors import RequestError
 from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.tokenizer import StreamDecoder
+
+# a processed request's row with every token masked (its stop_reason; the server's 400)
+NO_TOKEN = ("no token is allowed (allowed_token_ids, bad_words, min_tokens, logit_bias and the "
+            "grammar together left none)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class _Live:
     max_new: int
     t_added: float
     t_first: float | None = None
+    proc: Processor | None = None  # penalties, bias, bans, grammar (processors.py)
 
 
 class Engine:
@@ -86,6 +92,26 @@ class Engine:
         self.host_buffers: list = [None, None]  # overlap: tokens read back, steps alternate
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
+        self._grammars = None  # structured/grammar.Grammars, built for the first constraint
+        self._why: dict[str, str] = {}  # why a processed request failed (its stop_reason)
+
+    @property
+    def grammars(self):
+        if self._grammars is None:
+            from deltaserve.structured.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def processor(self, params: SamplingParams, prompt_ids: list[int]) -> Processor | None:
+        """The request's logits processing, None when nothing changes its logits (a schema the
+        grammar engine cannot compile, an id outside the vocabulary: RequestError)."""
+        if not params.processes_logits:
+            return None
+        think = (self.tokenizer.token_id("<think>"), self.tokenizer.token_id("</think>"))
+        grammars = self.grammars if params.structured_outputs is not None else None
+        return Processor(params, prompt_ids, self.eos_ids, self.model.cfg.vocab_size,
+                         self.model.device, self.tokenizer, grammars, think)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     images: ImageInputs | None = None) -> None:
@@ -96,6 +122,10 @@ class Engine:
         if self.config.greedy_head and params.logprobs is not None:
             raise RequestError("this engine runs the greedy-only head (no logits are computed): "
                                "logprobs are not available")
+        if self.config.greedy_head and params.processes_logits:
+            raise RequestError("this engine runs the greedy-only head (no logits are computed): "
+                               "penalties, logit_bias, token bans, min_tokens and structured "
+                               "outputs are not available")
         budget = self.max_model_len - len(prompt_ids)
         if budget < 1:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context limit is "
@@ -108,9 +138,11 @@ class Engine:
         detok = StreamDecoder(self.tokenizer, params.skip_special_tokens)
         if images is not None:
             _check_images(images, prompt_ids, self.model)
+        proc = self.processor(params, prompt_ids)
         self.scheduler.add(Request(request_id, list(prompt_ids), max_new, images=images))
         max_new = self.scheduler.get(request_id).max_new_tokens  # capped to what the KV pool holds
-        self._live[request_id] = _Live(params, gen, stops, detok, max_new, time.perf_counter())
+        self._live[request_id] = _Live(params, gen, stops, detok, max_new, time.perf_counter(),
+                                       proc=proc)
 
     @property
     def has_work(self) -> bool:
@@ -197,34 +229,57 @@ class Engine:
         self._live.pop(rid, None)
         if self.spec is not None:
             self.spec.forget(rid)
-        return StepOutput(rid, "", (), True, "error", "non-finite logits")
+        return StepOutput(rid, "", (), True, "error", self._why.pop(rid, "non-finite logits"))
 
     def _sample(self, logits: StepLogits) -> tuple[dict[str, int], frozenset[str]]:
         """(tokens of the requests that sample, requests whose logits went non-finite or whose
         distribution was not valid). Greedy rows: one argmax, copied to the host together with
         the finiteness flags; sampling rows: the filters on all rows together, one draw each from
-        its own generator."""
+        its own generator. Rows of requests with logits processing are copies, processed first."""
         if logits.are_tokens:  # the greedy head already chose
             tokens = logits.tensor.tolist()
             return {rid: tokens[row] for rid, row in logits.rows.items()}, frozenset()
+        procs = [rid for rid in logits if self._live[rid].proc is not None]
+        processed = self._processed(logits, procs) if procs else {}
         greedy = [rid for rid in logits if self._live[rid].params.greedy]
-        head = None
-        if greedy:
-            rows = [logits.rows[rid] for rid in greedy]
+        plain = [rid for rid in greedy if rid not in processed]
+        heads = []
+        if plain:
+            rows = [logits.rows[rid] for rid in plain]
             table = logits.tensor
             if rows != list(range(table.shape[0])):
                 table = table[torch.tensor(rows, device=table.device)]
-            head = table.argmax(-1)
-        failed, tokens = logits.failed_with(head)
-        out = {rid: t for rid, t in zip(greedy, tokens, strict=True) if rid not in failed}
+            heads.append(table.argmax(-1))
+        chosen = [rid for rid in greedy if rid in processed]
+        if chosen:  # a row with nothing left (every logit -inf) is caught by its max below
+            table = torch.stack([processed[rid] for rid in chosen])
+            heads += [table.argmax(-1), torch.isfinite(table.amax(-1)).long()]
+        failed, tokens = logits.failed_with(torch.cat(heads) if heads else None)
+        if chosen:
+            tokens, ok = tokens[: len(plain) + len(chosen)], tokens[len(plain) + len(chosen):]
+            failed = failed | {rid for rid, good in zip(chosen, ok, strict=True) if not good}
+        out = {rid: t for rid, t in zip(plain + chosen, tokens, strict=True) if rid not in failed}
         rest = [rid for rid in logits if rid not in out and rid not in failed]
         if rest:
-            rows_t = torch.stack([logits[rid] for rid in rest])
+            rows_t = torch.stack([processed.get(rid, logits[rid]) for rid in rest])
             drawn = sample_rows(rows_t, [self._live[r].params for r in rest],
                                 [self._live[r].gen for r in rest])
             out.update((rid, t) for rid, t in zip(rest, drawn, strict=True) if t is not None)
             failed = failed | {rid for rid, t in zip(rest, drawn, strict=True) if t is None}
-        return {rid: out[rid] for rid in logits if rid in out}, failed
+        for rid in procs:  # the grammar and the counts see the token
+            if rid in out and not self._live[rid].proc.accept(out[rid]):
+                failed = failed | {rid}
+                self._why[rid] = "the grammar refused the sampled token"
+            elif rid in failed and rid in processed:
+                self._why[rid] = NO_TOKEN
+        return {rid: out[rid] for rid in logits if rid in out and rid not in failed}, failed
+
+    def _processed(self, logits: StepLogits, rids: list[str]) -> dict[str, torch.Tensor]:
+        """The processed rows (fp32 copies) of the requests with logits processing."""
+        index = torch.tensor([logits.rows[rid] for rid in rids], device=logits.tensor.device)
+        rows = apply(logits.tensor.index_select(0, index).float(),
+                     [self._live[rid].proc for rid in rids], self._grammars)
+        return dict(zip(rids, rows, strict=True))
 
     def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:
         """For requests that asked: log_softmax of their raw logits rows, the sampled token's
@@ -252,8 +307,11 @@ class Engine:
         live, req = self._live[rid], self.scheduler.get(rid)
         num_generated = len(req.output_ids) if num_generated is None else num_generated
         live.t_first = live.t_first or time.perf_counter()
-        ended = live.stops.token_stop(token)
-        text, stop_str = ("", None) if ended else live.stops.add_text(live.detok.push(token))
+        # before min_tokens nothing stops it (EOS and stop ids are masked; stop strings unmatched)
+        early = live.proc is not None and live.proc.num_out < live.params.min_tokens
+        ended = None if early else live.stops.token_stop(token)
+        text, stop_str = ("", None) if ended else live.stops.add_text(live.detok.push(token),
+                                                                       match=not early)
         if stop_str is not None:
             ended = ("stop", stop_str)
         elif ended is None and num_generated >= live.max_new:

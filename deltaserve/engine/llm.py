@@ -105,13 +105,16 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults, as vLLM applies them."""
         g = self.generation_config
+        penalties = {name: float(g.get(name) or default) for name, default in (
+            ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))}
         if g.get("do_sample") is False:
-            return SamplingParams(temperature=0.0)
+            return SamplingParams(temperature=0.0, **penalties)
         return SamplingParams(
             temperature=float(g.get("temperature", 1.0)),
             top_k=int(g.get("top_k", 0) or 0),
             top_p=float(g.get("top_p", 1.0)),
             min_p=float(g.get("min_p", 0.0) or 0.0),
+            **penalties,
         )
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -160,21 +163,26 @@ class LLM:
         return ids
 
     def generate(
-        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None
+        self, prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, all prompts batched together by the engine (continuous batching)."""
+        """One output per prompt, all prompts batched together by the engine (continuous
+        batching); sampling_params: one for all, or one per prompt (as vLLM)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
+        per_prompt = params if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise RequestError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode_request(p) for p in prompts]  # validate all before running any
         rids = [f"gen-{next(_ids)}" for _ in encoded]
         outs = {rid: CompletionOutput(0, "", []) for rid in rids}
         metrics: dict[str, dict[str, float]] = {}
         try:
-            for rid, (_, ids, images) in zip(rids, encoded, strict=True):
-                self.engine.add_request(rid, ids, params, images)
+            for rid, (_, ids, images), p in zip(rids, encoded, per_prompt, strict=True):
+                self.engine.add_request(rid, ids, p, images)
                 metrics[rid] = {"t_start": time.perf_counter(), "num_prompt_tokens": len(ids)}
             done = 0
             while done < len(rids):

@@ -10,8 +10,8 @@ device-to-host copy, waited for by an event) reads the tokens back into the requ
 and emits them. A request that stops at step k was already launched
 into step k+1: that row's work is discarded (the request is retired before it resolves), the only
 cost of overlapping. Only steps whose every row decodes greedily without logprobs are launched
-early; anything else (prefill chunks, sampling, logprobs) runs at once after the pending step
-resolves, so outputs are exactly those of the plain engine, one call later.
+early; anything else (prefill chunks, sampling, logprobs, logits processing) runs at once after
+the pending step resolves, so outputs are exactly those of the plain engine, one call later.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
         if len(c.token_ids) != 1 or not c.sample:
             return False
         live = engine.live(c.request_id)
-        if live is None or not live.params.greedy or live.params.logprobs is not None:
+        if live is None or not live.params.greedy or live.params.logprobs is not None \
+                or live.proc is not None:  # processing reads the previous token on the host
             return False
         if c.num_unread and (pending is None or c.request_id not in pending.rows):
             return False

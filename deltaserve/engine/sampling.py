@@ -1,4 +1,6 @@
 """SamplingParams (vLLM-shaped) and the sampler: greedy, temperature, top-k, top-p, min-p, seed.
+Penalties, logit bias, token bans and grammars change a request's logits before this sampler sees
+them (engine/processors.py).
 
 Every accepted parameter gives a valid distribution: logits are shifted by their row maximum
 before the temperature divides them (a temperature of 1e-38 turns the row into a point mass on its
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.errors import RequestError
+from deltaserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest divisor the sampler uses
@@ -38,8 +41,24 @@ class SamplingParams:
     # per generated token: its log-probability under the raw model distribution (before
     # temperature and filters, as vLLM reports) and this many most likely alternatives; None = off
     logprobs: int | None = None
+    # logits processing (engine/processors.py), vLLM's names and ranges
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token has appeared in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: tokens of prompt or output, divided (x > 0) or times
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # no EOS / stop id / stop string before this many tokens
+    bad_words: tuple[str, ...] | None = None  # never generated (each word's token sequences)
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be generated
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(
+                (int(k), float(v)) for k, v in self.logit_bias.items()))
+        for name in ("bad_words", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -60,6 +79,23 @@ class SamplingParams:
              f"seed must be in [0, 2**63), got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (all(math.isfinite(v) for v in (self.presence_penalty, self.frequency_penalty,
+                                             self.repetition_penalty)),
+             "presence_penalty, frequency_penalty and repetition_penalty must be finite"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias or ()),
+             "logit_bias values must be in [-100, 100]"),
+            (0 <= self.min_tokens, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids must not be empty"),
+            (all(w for w in self.bad_words or ()), "bad_words must not be empty strings"),
         ]
         for ok, message in checks:
             if not ok:
@@ -68,6 +104,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before sampling (processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.bad_words
+                    or self.allowed_token_ids is not None or self.structured_outputs is not None)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -72,9 +72,10 @@ class StopChecker:
             return "stop", None
         return None
 
-    def add_text(self, delta: str) -> tuple[str, str | None]:
-        """Append decoded text; returns (text safe to emit now, matched stop string or None)."""
-        if not self._matchers:  # nothing to match or hold back: the delta goes straight out
+    def add_text(self, delta: str, match: bool = True) -> tuple[str, str | None]:
+        """Append decoded text; returns (text safe to emit now, matched stop string or None).
+        match=False (before min_tokens): the text goes out unmatched."""
+        if not self._matchers or (not match and not self._pending):  # straight out
             self.emitted += len(delta)
             return delta, None
         ends = [matcher.feed(delta) for matcher in self._matchers]

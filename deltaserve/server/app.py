@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import itertools
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -20,6 +21,7 @@ from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import ConfigError, DeltaserveError
 from deltaserve.multimodal.inputs import message_images
 from deltaserve.server import logprobs as lp
+from deltaserve.server.constraints import structured_of, tool_spec
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
 from deltaserve.server.images import check_image_parts, image_prompt
@@ -144,6 +146,11 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         if limit == 0 and len(ids) > llm.max_model_len:  # checked before any scoring
             raise context_overflow(len(ids), llm.max_model_len, 0)
         params = _params(body, llm, len(ids), num_lp) if limit != 0 else None
+        if params and params[0].structured_outputs is not None:  # compiled off the engine thread
+            try:
+                await prep.run(0, llm.engine.grammars.compile, params[0].structured_outputs)
+            except DeltaserveError as exc:
+                raise ApiError(400, str(exc), "invalid_constraint") from exc
         prompt = body.prompt if kind == "text_completion" else None
         # the echoed prompt's text and teacher-forced logprobs (generated tokens get theirs from
         # the engine as it samples)
@@ -154,8 +161,9 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         # the whole response's outputs (a stream makes its own): generated text's offsets count
         # from the end of the echoed prompt's last token
         start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
+        tools = tool_spec(body)
         outputs = [ChoiceOutput(kind, thinking, llm.tokenizer.decode, num_lp or 0,
-                                num_lp is not None, start) for _ in range(body.n)]
+                                num_lp is not None, start, tools) for _ in range(body.n)]
         if limit == 0:  # echo only: score the prompt, generate nothing
             for out in outputs:
                 out.finish_reason = "length"
@@ -169,7 +177,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             spec = StreamSpec(kind, served_name, len(ids), bool(
                 body.stream_options and body.stream_options.include_usage), thinking,
                 llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None,
-                num_lp is not None)
+                num_lp is not None, tools)
             return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
         try:
             await collect(choices, outputs)
@@ -206,10 +214,17 @@ def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
         if sources:
             check_image_parts(llm, sources)  # before rendering: nothing spent yet
         kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # the template describes them to the model
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        for message in messages:  # assistant tool calls as the template takes them
+            for call in message.get("tool_calls") or ():
+                call_args = (call.get("function") or {}).get("arguments")
+                if isinstance(call_args, str):
+                    call["function"]["arguments"] = json.loads(call_args or "{}")
         text = render_chat_text(llm.tokenizer, messages, special_in_content,
                                 enable_thinking=bool(kwargs.pop("enable_thinking", True)),
                                 **kwargs)
-    except (ValueError, DeltaserveError, TypeError) as exc:
+    except (ValueError, DeltaserveError, TypeError, AttributeError) as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from exc
     prep.check_chars(llm, text.text, "messages")
     ids = None if sources else llm.tokenizer.encode_chat(text.text, text.markers)
@@ -263,14 +278,25 @@ def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[Sam
     if room < 1 or (limit is not None and limit > room):
         raise context_overflow(num_prompt, llm.max_model_len, limit or 1)
     default = llm.get_default_sampling_params()
+    pick = lambda name: getattr(default, name) if getattr(body, name) is None \
+        else getattr(body, name)  # noqa: E731
+    structured = structured_of(body)
     try:
         return [SamplingParams(
-            temperature=default.temperature if body.temperature is None else body.temperature,
-            top_p=default.top_p if body.top_p is None else body.top_p,
+            temperature=pick("temperature"), top_p=pick("top_p"),
             top_k=default.top_k if body.top_k is None else max(body.top_k, 0),
-            min_p=default.min_p if body.min_p is None else body.min_p,
+            min_p=pick("min_p"), presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
             seed=None if body.seed is None else (body.seed + i) % 2**63, max_tokens=limit,
-            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=logprobs)
+            stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            # a call's tags may be special tokens (Qwen3.5's are): kept for the parser (as vLLM)
+            skip_special_tokens=body.skip_special_tokens and tool_spec(body) is None,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
+            min_tokens=body.min_tokens, bad_words=body.bad_words,
+            allowed_token_ids=body.allowed_token_ids, structured_outputs=structured)
             for i in range(body.n)]
     except (ValueError, DeltaserveError) as exc:
         raise ApiError(400, str(exc)) from exc

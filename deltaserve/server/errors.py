@@ -48,7 +48,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors: the first one, named by where it is."""
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    return f"{where or 'body'}: {first.get('msg', 'invalid request')}", where
+    if first.get("type") == "extra_forbidden":  # never accepted and ignored
+        return f"{where}: this field is not supported by this server", where
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return f"{where or 'body'}: {message}", where
 
 
 def install(app: FastAPI) -> None:

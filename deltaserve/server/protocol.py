@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deltaserve.engine.sampling import MAX_LOGPROBS
 
@@ -44,10 +44,26 @@ class ChatMessage(BaseModel):
         return parts
 
 
-class _Sampling(BaseModel):
-    """Fields shared by chat and text completions (non-OpenAI extras as vLLM names them)."""
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema(cls, v):
+        if v is not None and not isinstance(v.get("schema", {}), dict | bool):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return v
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and text completions (non-OpenAI extras as vLLM names them). A
+    field not declared here is a 400 naming it (nothing is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,6 +76,39 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: n engine requests, one prompt
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> -100..100
+    min_tokens: int = Field(default=0, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    # sent by OpenAI clients, no effect on generation here (listed in the README)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.lstrip("-").isdecimal():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -70,6 +119,27 @@ class _Sampling(BaseModel):
         return stops
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: _NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -80,6 +150,21 @@ class ChatCompletionRequest(_Sampling):
     mm_processor_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
+                not in {t.function.name for t in self.tools or ()}:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is "
+                             "not among the tools")
+        return self
 
     def num_logprobs(self) -> int | None:
         """None: no logprobs; else how many alternatives per token."""
@@ -96,6 +181,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=1)  # only 1: one sequence per choice
 
     def token_limit(self) -> int | None:
         return self.max_tokens

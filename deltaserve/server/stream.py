@@ -15,11 +15,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from deltaserve.engine.engine import NO_TOKEN
 from deltaserve.errors import QueueFullError
 from deltaserve.server.bridge import ADMITTED, EngineDead
 from deltaserve.server.errors import ApiError
 from deltaserve.server.logprobs import joined
 from deltaserve.server.output import ChoiceOutput, Whole
+from deltaserve.server.tools import ToolSpec
 
 _GONE = (-1, None)  # the queue's item once the client has disconnected
 
@@ -93,6 +95,8 @@ class Choices:
             raise ApiError(503, str(ev), "engine_unavailable")
         if ev.finish_reason == "error":
             self.abort()
+            if ev.stop_reason == NO_TOKEN:  # the request's own constraints left nothing to draw
+                raise ApiError(400, f"the request stopped: {ev.stop_reason}", "no_allowed_token")
             raise ApiError(500, f"the request failed ({ev.stop_reason}) and was stopped; other "
                            "requests are unaffected", "non_finite_logits")
 
@@ -119,15 +123,19 @@ def usage(n_prompt: int, n_out: int) -> dict:
 
 
 def choice(kind: str, index: int, text: str, reason: str | None, delta: bool,
-           reasoning: str | None = None) -> dict:
+           reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
     if kind == "text_completion":
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
     if delta:  # only what this chunk adds
-        msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning)) if v}
+        msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning),
+                                 ("tool_calls", tool_calls)) if v}
         return {"index": index, "delta": msg, "logprobs": None, "finish_reason": reason}
-    msg = {"role": "assistant", "content": text}
+    # with tool calls and no other text, content is null (as OpenAI answers)
+    msg = {"role": "assistant", "content": None if tool_calls and not text else text}
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
     return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason}
 
 
@@ -137,7 +145,7 @@ def response(rid, kind, model, wholes: list[Whole], n_prompt: int, head: str = "
     its logprobs when asked (the prompt's part, head_lp, first)."""
     built = []
     for i, w in enumerate(wholes):
-        item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning)
+        item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning, w.tool_calls)
         if w.logprobs is not None:
             item["logprobs"] = joined(head_lp, w.logprobs)
         built.append(item)
@@ -160,11 +168,13 @@ class StreamSpec:
     top_k: int = 0
     echo: tuple[str, dict | None] | None = None
     want_logprobs: bool = False
+    tools: ToolSpec | None = None
 
     def output(self) -> ChoiceOutput:
         """One choice's output processor (its text offsets start after the echoed prompt)."""
         return ChoiceOutput(self.kind, self.thinking, self.decode, self.top_k,
-                            self.want_logprobs, len(self.echo[0]) if self.echo else 0)
+                            self.want_logprobs, len(self.echo[0]) if self.echo else 0,
+                            self.tools)
 
 
 async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
@@ -199,8 +209,9 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
             delta = outputs[i].push(ev)
             if ev.finished:
                 open_choices.discard(i)
-            if delta.text or delta.reasoning or ev.finished or delta.logprobs:
-                item = choice(kind, i, delta.text, delta.finish_reason, True, delta.reasoning)
+            if delta.text or delta.reasoning or ev.finished or delta.logprobs or delta.tool_calls:
+                item = choice(kind, i, delta.text, delta.finish_reason, True, delta.reasoning,
+                              delta.tool_calls)
                 if delta.logprobs:
                     item["logprobs"] = delta.logprobs
                 yield frame([item])

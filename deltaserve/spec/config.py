@@ -108,10 +108,10 @@ def from_cli(method: str | None, num_tokens: int | None, config_json: str | None
 
 
 def draftable(live) -> bool:
-    """A live request drafts unless it asks for logprobs (those come from plain decode rows) or
-    samples with a seed: speculative sampling (spec/sampled.py) draws another random stream whose
-    length depends on the pace gate's timing and on the batch, so a seeded request decodes plainly
-    and stays reproducible."""
-    if live is None or live.params.logprobs is not None:
-        return False
+    """A live request drafts unless it asks for logprobs (those come from plain decode rows), has
+    its logits processed (penalties, grammars: processors.py), or samples with a seed: speculative
+    sampling (spec/sampled.py) draws another random stream whose length depends on the pace
+    gate's timing and on the batch, so a seeded request decodes plainly and stays reproducible."""
+    if live is None or live.params.logprobs is not None or live.proc is not None:
+        return False  # processed logits (penalties, grammars) follow the plain decode rows
     return live.params.greedy or live.params.seed is None

@@ -1,0 +1,2 @@
+"""Structured outputs: what a request's text must match (JSON schema, regex, choice, grammar, tool
+calls), compiled by xgrammar into token masks the engine's sampler applies."""

@@ -1,0 +1,153 @@
+"""Structured outputs' cost (issue 33), one JSON record: grammar compile time (first, cached) on
+the model's vocabulary; the processing cost of a decode step (grammar masks filled on the host,
+applied on the device, penalties) at batch 1 / 16 / 64 beside the free decode step at the same
+batch; decode tok/s of constrained against free requests end to end; and free decode tok/s at
+batch 1 of this tree against an older one (--baseline: a folder holding its deltaserve package),
+alternating rounds in fresh processes.
+
+    python3 scripts/gpu/structured_bench.py --model /tmp/q08 --device cuda \
+        --baseline /tmp/prev --out structured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SCHEMA = {"type": "object", "properties": {
+    "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "maxItems": 40},
+    "tag": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
+    "required": ["ids", "tag", "ok"]}
+COMPILE_SET = [SCHEMA, {"type": "object", "properties": {"name": {"type": "string"}, "age": {
+    "type": "integer"}}, "required": ["name"]}, {"type": "array", "items": {"type": "number"}}]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_times(llm) -> dict:
+    from deltaserve.structured.params import StructuredOutputsParams as S
+
+    grammars = llm.engine.grammars
+    start = time.perf_counter()
+    grammars.compiler()
+    out = {"tokenizer_info_s": time.perf_counter() - start, "first_ms": [], "cached_ms": []}
+    for schema in COMPILE_SET:
+        for key in ("first_ms", "cached_ms"):
+            start = time.perf_counter()
+            grammars.compile(S(json=schema))
+            out[key].append(1e3 * (time.perf_counter() - start))
+    return out
+
+
+def processing_cost(llm, batch: int, steps: int, device: str) -> dict:
+    """Median ms of one step's processing for `batch` constrained + penalised rows: matchers fill
+    their masks, apply() masks and penalises the [B, V] rows on the device, greedy picks."""
+    from deltaserve import SamplingParams
+    from deltaserve.engine.processors import apply
+    from deltaserve.structured.params import StructuredOutputsParams as S
+
+    engine = llm.engine
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(temperature=0, frequency_penalty=0.5,
+                            structured_outputs=S(json=SCHEMA))
+    procs = [engine.processor(params, [1, 2, 3]) for _ in range(batch)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, vocab, device=device, generator=gen)
+        sync(device)
+        start = time.perf_counter()
+        rows = apply(logits, procs, engine.grammars)
+        tokens = rows.argmax(-1).tolist()
+        times.append(1e3 * (time.perf_counter() - start))
+        for proc, token in zip(procs, tokens, strict=True):
+            if not proc.accept(token) or proc.matcher.is_terminated():
+                proc.matcher.reset()
+    return {"median_ms": statistics.median(times[3:]), "p90_ms": sorted(times)[int(0.9 * steps)]}
+
+
+def decode_rate(llm, batch: int, constrained: bool, tokens: int) -> float:
+    """Aggregate decode tok/s of `batch` requests (greedy, the same prompt length)."""
+    from deltaserve import SamplingParams
+    from deltaserve.structured.params import StructuredOutputsParams as S
+
+    so = S(json=SCHEMA) if constrained else None
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=not constrained,
+                            structured_outputs=so)
+    prompts = [[100 + i, 200 + i, 300 + i] * 10 for i in range(batch)]
+    outs = llm.generate(prompts, params)
+    return sum(o.metrics["decode_tok_s"] for o in outs)
+
+
+def free_b1(tree: str, model: str, device: str, rounds: int) -> list[float]:
+    code = ("import sys; from deltaserve import LLM, SamplingParams; "
+            f"llm = LLM({model!r}, dtype='bfloat16', device={device!r}); "
+            "p = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True); "
+            "llm.generate([[5] * 16], p); "
+            "print(max(llm.generate([[7] * 16], p)[0].metrics['decode_tok_s'] for _ in range(3)))")
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{os.environ.get('PYTHONPATH', '')}"}
+    out = []
+    for _ in range(rounds):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, cwd="/tmp")
+        out.append(float(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else
+                   float("nan"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--baseline", default=None)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from importlib.metadata import version
+
+    from deltaserve import LLM
+    from deltaserve.bench.record import device_info, flags, git_commit
+
+    llm = LLM(args.model, dtype="bfloat16", device=args.device)
+    record = {"commit": git_commit(), "device": device_info(args.device), "dtype": "bfloat16",
+              "flags": flags(), "xgrammar": version("xgrammar"), "model": args.model,
+              "peer": "none (issue 33 asks for the mask's share of our own decode step)",
+              "compile": compile_times(llm), "batches": {}}
+    print("compile", json.dumps(record["compile"]), flush=True)
+    for batch in map(int, args.batches.split(",")):
+        free = decode_rate(llm, batch, False, 64)
+        constrained = decode_rate(llm, batch, True, 64)
+        cost = processing_cost(llm, batch, 40, args.device)
+        step_ms = 1e3 * batch / free
+        row = {"free_decode_tok_s": free, "constrained_decode_tok_s": constrained,
+               "free_step_ms": step_ms, "processing": cost,
+               "processing_share_of_step": cost["median_ms"] / step_ms}
+        record["batches"][batch] = row
+        print("batch", batch, json.dumps(row), flush=True)
+    if args.baseline:
+        here = str(Path(__file__).resolve().parents[2])
+        ours, base = [], []
+        for _ in range(3):  # alternating, a fresh process each
+            ours += free_b1(here, args.model, args.device, 1)
+            base += free_b1(args.baseline, args.model, args.device, 1)
+        record["free_b1_decode_tok_s"] = {"this_tree": ours, "baseline": base,
+                                          "ratio_of_medians": statistics.median(ours)
+                                          / statistics.median(base)}
+        print("free b1", json.dumps(record["free_b1_decode_tok_s"]), flush=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
