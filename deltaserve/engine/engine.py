@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
-from deltaserve.engine.processors import Processor, apply
+from deltaserve.engine.processors import Processor, apply, grammar_masks
 from deltaserve.engine.request import ImageInputs, Request, Status
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
@@ -275,10 +275,13 @@ class Engine:
         return {rid: out[rid] for rid in logits if rid in out and rid not in failed}, failed
 
     def _processed(self, logits: StepLogits, rids: list[str]) -> dict[str, torch.Tensor]:
-        """The processed rows (fp32 copies) of the requests with logits processing."""
-        index = torch.tensor([logits.rows[rid] for rid in rids], device=logits.tensor.device)
-        rows = apply(logits.tensor.index_select(0, index).float(),
-                     [self._live[rid].proc for rid in rids], self._grammars)
+        """The processed rows (fp32 copies) of the requests with logits processing; grammar
+        masks are filled first, on the host, while a GPU may still be computing the logits."""
+        procs = [self._live[rid].proc for rid in rids]
+        device = logits.tensor.device
+        masks = grammar_masks(procs, self._grammars, device) if self._grammars else None
+        index = torch.tensor([logits.rows[rid] for rid in rids], device=device)
+        rows = apply(logits.tensor.index_select(0, index).float(), procs, masks=masks)
         return dict(zip(rids, rows, strict=True))
 
     def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:

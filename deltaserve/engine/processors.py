@@ -49,7 +49,8 @@ class Processor:
             self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self.banned[torch.tensor(p.allowed_token_ids, device=device)] = False
         self.bad_words = _bad_word_ids(tokenizer, p.bad_words or ())
-        self.stop_ids = torch.tensor(sorted(set(eos_ids) | set(p.stop_token_ids)),
+        self.stop_list = sorted(set(eos_ids) | set(p.stop_token_ids))
+        self.stop_ids = torch.tensor(self.stop_list,
                                      dtype=torch.long, device=device)
         self.matcher = None
         self.waiting_for = None  # the token that closes the reasoning block, until it comes
@@ -83,8 +84,28 @@ class Processor:
         return self.matcher.is_terminated() or self.matcher.accept_token(token)
 
 
-def apply(rows: torch.Tensor, procs: list[Processor], grammars=None) -> torch.Tensor:
-    """rows [P, V] fp32 (row i is procs[i]'s logits; changed in place) -> rows."""
+def grammar_masks(procs: list[Processor], grammars, device: torch.device):
+    """(indices of the constrained rows, their bitmask [K, ceil(V/32)] int32 on the host) or
+    None. Host work only: the engine calls it before anything waits for the step's logits, so
+    on a GPU the masks are filled while the forward runs."""
+    constrained = [i for i, proc in enumerate(procs) if proc.constrained]
+    if not constrained:
+        return None
+    mask = grammars.bitmask(len(constrained), pin=device.type == "cuda")
+    for k, i in enumerate(constrained):
+        if not procs[i].matcher.is_terminated():
+            procs[i].matcher.fill_next_token_bitmask(mask, k)
+        else:  # the grammar is complete: only a stop token may follow
+            mask[k] = 0
+            _allow(mask[k], procs[i].stop_list)
+    return constrained, mask
+
+
+def apply(rows: torch.Tensor, procs: list[Processor], grammars=None, masks=None) -> torch.Tensor:
+    """rows [P, V] fp32 (row i is procs[i]'s logits; changed in place) -> rows. masks: from
+    grammar_masks (filled here when not given)."""
+    if masks is None and grammars is not None:
+        masks = grammar_masks(procs, grammars, rows.device)
     neg = float("-inf")
     for i, proc in enumerate(procs):
         row = rows[i]
@@ -98,16 +119,8 @@ def apply(rows: torch.Tensor, procs: list[Processor], grammars=None) -> torch.Te
         if proc.bias is not None:
             row.index_add_(0, proc.bias[0], proc.bias[1])
     _penalize(rows, procs)
-    constrained = [i for i, proc in enumerate(procs) if proc.constrained]
-    if constrained:
-        mask = grammars.bitmask(len(constrained))
-        for k, i in enumerate(constrained):
-            if not procs[i].matcher.is_terminated():
-                procs[i].matcher.fill_next_token_bitmask(mask, k)
-            else:  # the grammar is complete: only a stop token may follow
-                mask[k] = 0
-                _allow(mask[k], procs[i].stop_ids.tolist())
-        apply_bitmask(rows, mask, constrained)
+    if masks is not None:  # last, as vLLM: a masked logit stays -inf under every step above
+        apply_bitmask(rows, masks[1], masks[0])
     return rows
 
 

@@ -1,8 +1,9 @@
 """Compiling StructuredOutputsParams into xgrammar grammars for one tokenizer, and the masks.
 
-xgrammar was chosen over llguidance by measurement (docs/journal/2026-12-02-issue-33-structured.md:
-on the 248k Qwen3.5 vocabulary, per-token mask 2.5 µs against 24 µs at batch 1, 0.21 ms against
-1.4 ms at batch 64); it also knows Qwen's XML tool-call parameter format.
+xgrammar was chosen over llguidance by measurement (scripts/cpu/grammar_engines.py, record
+docs/benchmarks/2026-12-03-cpu-694c66f-grammar-engines.json, the 248k Qwen3.5 vocabulary): per-step mask
+3.9 µs against 6.8 µs at batch 1 (worst step 0.15 ms against 2.0 ms), 0.43 ms against 0.88 ms at
+batch 64, tokenizer set-up 1.5 s against 5.1 s; it also knows Qwen's XML tool-call parameters.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ class Grammars:
 
         return xgr.GrammarMatcher(self.compile(params))
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """[rows, ceil(V/32)] int32 on the host, every token allowed."""
-        import xgrammar as xgr
-
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+    def bitmask(self, rows: int, pin: bool = False) -> torch.Tensor:
+        """[rows, ceil(V/32)] int32 on the host, every token allowed (pinned: copied to a GPU
+        without waiting for its stream)."""
+        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                          pin_memory=pin)
 
 
 def _compile(compiler, params: StructuredOutputsParams):
