@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from deltaserve.errors import CheckpointError
@@ -12,13 +13,20 @@ _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
 
 
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
-    """A folder is used as is; `org/name` that is not a folder is fetched (or found in the HF cache)."""
+    """A folder is used as is; a .gguf file (or the first part of a split set) is imported once into
+    the cache folder; `org/name` that is not a folder is fetched (or found in the HF cache)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from deltaserve.quant.cached import gguf_copy
+        from deltaserve.quant.gguf_import import split_parts
+
+        return gguf_copy(split_parts(path), log=lambda msg: print(f"deltaserve: {msg}",
+                                                                  file=sys.stderr, flush=True))
     if path.exists():
         raise CheckpointError(
-            f"model '{model}' is a file; pass the checkpoint folder that holds it"
+            f"model '{model}' is a file; pass a checkpoint folder or a .gguf file"
         )
     text = str(model)
     if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):

@@ -1,11 +1,13 @@
-"""Quantize-on-load: `serve --quant int8` converts the float checkpoint once into the cache folder
-and loads that copy, so the second start costs nothing and runs the same bytes as
-`deltaserve quantize` would have written."""
+"""Conversions kept in the cache folder, done once and loaded from there after: quantize-on-load
+(`serve --quant int8` converts the float checkpoint and loads that copy, so the second start costs
+nothing and runs the same bytes as `deltaserve quantize` would have written), and a GGUF file given
+as the model (repacked into a checkpoint folder, keyed by the file's fingerprint)."""
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
 
 from deltaserve.env import env
@@ -44,4 +46,40 @@ def quantized_copy(model_dir: Path, fmt: str, log=print) -> Path:
     (tmp / _DONE).write_text("")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    return out
+
+
+GGUF_IMPORTER_VERSION = 1  # a changed importer gets a fresh copy
+
+
+def gguf_copy(parts: list[Path], log=print) -> Path:
+    """The checkpoint folder for a GGUF file (or the parts of a split set), written once into the
+    cache atomically (a crashed import leaves only a .partial folder, redone next time)."""
+    from deltaserve.quant.gguf_import import import_gguf
+
+    h = hashlib.sha256(f"gguf|{GGUF_IMPORTER_VERSION}".encode())
+    for f in parts:
+        st = f.stat()
+        h.update(f"|{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    root = env().cache_dir / "gguf"
+    stem = parts[0].name.removesuffix(".gguf")
+    out = root / f"{stem}-{h.hexdigest()[:16]}"
+    if (out / _DONE).is_file():
+        return out
+    size = sum(f.stat().st_size for f in parts)
+    log(f"importing {parts[0]}{f' (+{len(parts) - 1} parts)' if len(parts) > 1 else ''} "
+        f"({size / 2**30:.2f} GiB) once, into {out}")
+    start = time.perf_counter()
+    tmp = root / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import_gguf(parts[0], tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / _DONE).write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    log(f"imported in {time.perf_counter() - start:.1f} s: {written / 2**30:.2f} GiB in {out}")
     return out

@@ -9,6 +9,7 @@ block bytes are repacked, never dequantized, so the values are exactly the file'
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -41,6 +42,23 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q1_0": 18}
 
 
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of a split set (`NAME-00001-of-00003.gguf`, any part given), or [path]."""
+    match = _SPLIT.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{match['count']}.gguf")
+             for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"GGUF split set {path.name}: missing {', '.join(missing)}")
+    return parts
+
+
 def hf_name(name: str) -> str | None:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
@@ -59,16 +77,21 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) ->
         import gguf
     except ImportError as exc:
         raise CheckpointError("reading GGUF needs the gguf package: pip install 'deltaserve[gguf]'") from exc
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the package raises ValueError/struct errors on bad files
-        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
-    meta = _metadata(reader)
+    readers = []
+    for part in split_parts(path):
+        try:
+            readers.append(gguf.GGUFReader(str(part)))
+        except Exception as exc:  # the package raises ValueError/struct errors on bad files
+            raise CheckpointError(f"cannot read GGUF file {part}: {exc}") from exc
+    meta = _metadata(readers[0])
+    if int(meta.get("split.count", 1) or 1) != len(readers):
+        raise CheckpointError(f"GGUF {path} says it is one of {meta.get('split.count')} parts, "
+                              f"but {len(readers)} were found")
     arch = meta.get("general.architecture")
     if arch != "qwen35":
         raise CheckpointError(f"GGUF architecture '{arch}' is not supported (only qwen35)")
-    config = _config(meta, reader)
-    tensors, schemes = _tensors(reader, config)
+    config = _config(meta, readers)
+    tensors, schemes = _tensors(readers, config)
     tok_src = tokenizer_dir or path.parent
     if not (tok_src / "tokenizer.json").is_file():
         raise CheckpointError(
@@ -96,7 +119,7 @@ def _metadata(reader) -> dict:
     return out
 
 
-def _config(meta: dict, reader) -> dict:
+def _config(meta: dict, readers) -> dict:
     def get(key, default=None):
         value = meta.get(f"qwen35.{key}", default)
         if value is None:
@@ -105,11 +128,15 @@ def _config(meta: dict, reader) -> dict:
 
     layers = int(get("block_count")) - int(meta.get("qwen35.nextn_predict_layers", 0) or 0)
     num_v, num_k = int(get("ssm.time_step_rank")), int(get("ssm.group_count"))
-    if num_v != num_k:
-        raise CheckpointError("GGUF value-head reordering (Hv != Hk) is not supported yet")
+    if num_v % num_k:
+        raise CheckpointError(f"GGUF linear attention has {num_v} value heads for {num_k} key "
+                              "heads (must be a multiple)")
     head_dim = int(get("attention.key_length"))
-    names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    all_tensors = [t for r in readers for t in r.tensors]
+    names = {t.name for t in all_tensors}
+    if "token_embd.weight" not in names:
+        raise CheckpointError("GGUF file has no token_embd.weight (a missing part of a split set?)")
+    embd = next(t for t in all_tensors if t.name == "token_embd.weight")
     cfg = text_config(int(get("embedding_length")), int(get("feed_forward_length")), layers,
                       int(get("attention.head_count")), int(get("attention.head_count_kv")),
                       num_k, num_v, "output.weight" not in names)
@@ -135,19 +162,24 @@ def _config(meta: dict, reader) -> dict:
     return cfg
 
 
-def _tensors(reader, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
+def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
     tensors, schemes = {}, {}
-    for t in reader.tensors:
+    for t in (t for r in readers for t in r.tensors):
         name = hf_name(t.name)
         if name is None:
             continue  # MTP (nextn) blocks and unknown extras
         qtype = t.tensor_type.name
+        order = _value_head_order(name, cfg)
         if qtype in _FLOAT_TYPES:
-            tensors[name] = _float(t, name)
+            x = _float(t, name)
+            if order is not None:
+                axis, perm = order
+                x = x.index_select(axis, torch.from_numpy(perm(x.shape[axis], 1)))
+            tensors[name] = x.contiguous()
         elif qtype in _SCHEMES:
             base = name.removesuffix(".weight")
             schemes[base] = _SCHEMES[qtype]
-            for leaf, v in _repack(t, qtype).items():
+            for leaf, v in _repack(t, qtype, order).items():
                 tensors[f"{base}.{leaf}"] = v
         else:
             raise CheckpointError(
@@ -173,13 +205,49 @@ def _float(t, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
-def _repack(t, qtype: str) -> dict[str, torch.Tensor]:
+def _value_head_order(name: str, cfg: dict):
+    """For a GDN tensor of a model with more value heads than key heads: (axis, perm) where
+    perm(n, unit) gives the HF order of that axis's n entries (unit: entries per index, for
+    quantized blocks). llama.cpp's converter (conversion/qwen.py, _reorder_v_heads) stores the
+    value heads tiled, GGUF slot i*Hk + g holding HF head g*r + i (r = Hv / Hk), so that ggml's
+    repeat of the key heads lines up; this undoes it."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv or ".linear_attn." not in name:
+        return None
+    r, dk, dv = hv // hk, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    leaf = name.split(".linear_attn.", 1)[1]
+    axis, start, hd = {
+        "in_proj_qkv.weight": (0, 2 * hk * dk, dv), "conv1d.weight": (0, 2 * hk * dk, dv),
+        "in_proj_z.weight": (0, 0, dv), "in_proj_b.weight": (0, 0, 1),
+        "in_proj_a.weight": (0, 0, 1), "A_log": (0, 0, 1), "dt_bias": (0, 0, 1),
+        "out_proj.weight": (1, 0, dv)}.get(leaf, (None, 0, 0))
+    if axis is None:
+        return None
+
+    def perm(n: int, unit: int) -> np.ndarray:
+        if start % unit or hd % unit:
+            raise CheckpointError(f"GGUF tensor for '{name}': its value heads ({hd} wide) do not "
+                                  f"fall on whole quantization blocks ({unit}), so their order "
+                                  "cannot be undone")
+        index = np.arange(n // unit)
+        a, width = start // unit, hv * hd // unit
+        index[a:a + width] = index[a:a + width].reshape(r, hk, -1).transpose(1, 0, 2).ravel()
+        return index
+
+    return axis, perm
+
+
+def _repack(t, qtype: str, order=None) -> dict[str, torch.Tensor]:
     cols, rows = int(t.shape[0]), int(np.prod([int(d) for d in t.shape[1:]]))
     raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
     block = _BLOCK_BYTES[qtype]
     if raw.shape[1] * (_SCHEMES[qtype].group_size) != cols * block:
         raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized")
     blocks = raw.reshape(rows, -1, block)
+    if order is not None:  # whole rows, or whole blocks along a row
+        axis, perm = order
+        unit = 1 if axis == 0 else _SCHEMES[qtype].group_size
+        blocks = np.take(blocks, perm(rows if axis == 0 else cols, unit), axis=axis)
     d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[..., 0])
     qs = blocks[:, :, 2:]
     if qtype == "Q8_0":

@@ -47,30 +47,79 @@ def q1_blocks(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1), deq.reshape(x.shape).astype(np.float32)
 
 
-def write_gguf(src, path, qtype, embed_qtype):
-    """The default model as a qwen35 GGUF; returns {hf name: the values the file encodes}."""
+def tiled(x: np.ndarray, axis: int, start: int, hk: int, r: int, hd: int) -> np.ndarray:
+    """llama.cpp's converter order for value heads (conversion/qwen.py, _reorder_v_heads): HF
+    head g*r + i goes to slot i*Hk + g, each head a block of hd entries along axis."""
+    x = np.moveaxis(x, axis, 0).copy()
+    seg = x[start:start + hk * r * hd]
+    x[start:start + hk * r * hd] = seg.reshape(hk, r, hd, *seg.shape[1:]).swapaxes(0, 1) \
+        .reshape(seg.shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def untiled(x: np.ndarray, axis: int, start: int, hk: int, r: int, hd: int) -> np.ndarray:
+    x = np.moveaxis(x, axis, 0).copy()
+    seg = x[start:start + hk * r * hd]
+    x[start:start + hk * r * hd] = seg.reshape(r, hk, hd, *seg.shape[1:]).swapaxes(0, 1) \
+        .reshape(seg.shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def head_order(name: str, cfg: dict):
+    """(axis, start, Hk, r, head width) of a GDN tensor whose value heads the converter tiles."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv or ".linear_attn." not in name:
+        return None
+    qk, dv = 2 * hk * cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    spec = {"in_proj_qkv.weight": (0, qk, dv), "conv1d.weight": (0, qk, dv),
+            "in_proj_z.weight": (0, 0, dv), "in_proj_b.weight": (0, 0, 1),
+            "in_proj_a.weight": (0, 0, 1), "A_log": (0, 0, 1), "dt_bias": (0, 0, 1),
+            "out_proj.weight": (1, 0, dv)}.get(name.split(".linear_attn.")[1])
+    return None if spec is None else (spec[0], spec[1], hk, hv // hk, spec[2])
+
+
+def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0):
+    """A checkpoint folder as a qwen35 GGUF by llama.cpp's conversion rules (a split set of files
+    of at most split_max_tensors tensors each, if given); returns {hf name: the values the file
+    encodes, in HF layout}."""
     cfg = __import__("json").loads((src / "config.json").read_text())
     hf = load_file(str(src / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "qwen35")
+    w = gguf.GGUFWriter(str(path), "qwen35", split_max_tensors=split_max_tensors)
     a = "qwen35."
-    for key, val in (("block_count", 8), ("context_length", 8192), ("embedding_length", 384),
-                     ("feed_forward_length", 896), ("attention.head_count", 6),
-                     ("attention.head_count_kv", 2), ("attention.key_length", 64),
-                     ("attention.value_length", 64), ("ssm.conv_kernel", 4), ("ssm.state_size", 64),
-                     ("ssm.group_count", 6), ("ssm.time_step_rank", 6), ("ssm.inner_size", 384),
-                     ("full_attention_interval", 4), ("rope.dimension_count", 16)):
+    hv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    rope = cfg["rope_parameters"]
+    for key, val in (("block_count", cfg["num_hidden_layers"]),
+                     ("context_length", cfg["max_position_embeddings"]),
+                     ("embedding_length", cfg["hidden_size"]),
+                     ("feed_forward_length", cfg["intermediate_size"]),
+                     ("attention.head_count", cfg["num_attention_heads"]),
+                     ("attention.head_count_kv", cfg["num_key_value_heads"]),
+                     ("attention.key_length", cfg["head_dim"]),
+                     ("attention.value_length", cfg["head_dim"]),
+                     ("ssm.conv_kernel", cfg["linear_conv_kernel_dim"]),
+                     ("ssm.state_size", cfg["linear_key_head_dim"]),
+                     ("ssm.group_count", cfg["linear_num_key_heads"]),
+                     ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv),
+                     ("full_attention_interval", cfg["full_attention_interval"]),
+                     ("rope.dimension_count",
+                      int(cfg["head_dim"] * rope["partial_rotary_factor"]))):
         w.add_uint32(a + key, val)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_float32(a + "rope.freq_base", float(cfg["rope_parameters"]["rope_theta"]))
-    w.add_array(a + "rope.dimension_sections", [3, 3, 2, 0])
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_float32(a + "rope.freq_base", float(rope["rope_theta"]))
+    w.add_array(a + "rope.dimension_sections", [*rope["mrope_section"], 0])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
     ref = {}
     for name, t in hf.items():
         if name.startswith("mtp."):
             continue
         x = t.float().numpy()
+        order = head_order(name, cfg)
+        if order is not None:
+            x = tiled(x, *order)
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
         else:
@@ -88,13 +137,15 @@ def write_gguf(src, path, qtype, embed_qtype):
                 blocks = gguf.quants.quantize(x, kind)
                 deq = gguf.quants.dequantize(blocks, kind).reshape(x.shape)
             w.add_tensor(gname, blocks, raw_dtype=kind)
+            if order is not None:
+                deq = untiled(deq, *order)
             ref[name] = torch.from_numpy(np.ascontiguousarray(deq))
             continue
         if gname.endswith("ssm_a"):
             x = -np.exp(x)
         elif gname.endswith("ssm_conv1d.weight"):
             x = x[:, 0, :]
-        elif gname == "output_norm.weight" or gname.split(".")[2] in PLUS_ONE:
+        elif gname == "output_norm.weight" or gname.split(".")[2:3] in [[p] for p in PLUS_ONE]:
             x = x + 1.0
         w.add_tensor(gname, np.ascontiguousarray(x.astype(np.float32)))
         ref[name] = t.float()
@@ -136,3 +187,46 @@ def test_bad_gguf_files_are_clear_errors(tmp_path, capsys) -> None:
     write_gguf(src, tmp_path / "k" / "m.gguf", Q.Q5_0, Q.Q8_0)
     with pytest.raises(CheckpointError, match="type Q5_0; supported"):
         import_gguf(tmp_path / "k" / "m.gguf", tmp_path / "o3", tokenizer_dir=src)
+
+
+def test_the_model_may_be_a_gguf_file_or_a_split_set(tmp_path, capsys) -> None:
+    """--model FILE.gguf (any part of a split set): imported once into the cache folder, then
+    loaded from there; the split set gives the single file's logits; a missing part is named."""
+    src = default_model_dir()
+    for sub, split in (("one", 0), ("split", 25)):
+        (tmp_path / sub).mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(src / name, tmp_path / sub / name)
+        write_gguf(src, tmp_path / sub / "m.gguf", Q.Q8_0, Q.Q8_0, split)
+    parts = sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
+    assert len(parts) > 2
+    one = LLM(tmp_path / "one" / "m.gguf", dtype="float32")
+    assert "importing" in capsys.readouterr().err
+    LLM(tmp_path / "one" / "m.gguf", dtype="float32")
+    assert "importing" not in capsys.readouterr().err  # the cached copy
+    split = LLM(parts[1], dtype="float32")
+    ids = torch.tensor(PROMPT_IDS)
+    assert torch.equal(prompt_logits(one.model, ids), prompt_logits(split.model, ids))
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"missing {parts[-1].name}"):
+        LLM(parts[0], dtype="float32")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_more_value_heads_than_key_heads_untied_head(tmp_path, qtype) -> None:
+    """Hv = 3 Hk (as the 27B) with an untied head: the converter's value-head order is undone,
+    so the model runs the values the file encodes (rows of qkv / z / b / a, conv channels, the
+    per-head A and dt, out_proj's column blocks)."""
+    from tests.conftest import write_variant
+
+    src = write_variant(tmp_path / "hf", 4, linear_num_value_heads=6, tie_word_embeddings=False,
+                        vocab_size=4096)
+    ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[qtype])
+    import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
+    ids = torch.tensor(PROMPT_IDS)
+    lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
+    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
