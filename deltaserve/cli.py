@@ -182,7 +182,8 @@ def _parser_import_gguf(sub: argparse._SubParsersAction) -> None:
     gg = sub.add_parser("import-gguf", help="convert a qwen35 GGUF file into a checkpoint folder")
     gg.add_argument("gguf", help="the .gguf file")
     gg.add_argument("out", help="output folder")
-    gg.add_argument("--tokenizer-from", default=None, help="folder with the model's tokenizer.json")
+    gg.add_argument("--tokenizer-from", default=None,
+                    help="folder with the model's tokenizer.json (default: the file's own)")
 
 
 def _parser_gate(sub: argparse._SubParsersAction) -> None:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import text_config
 from deltaserve.errors import CheckpointError
+from deltaserve.quant.gguf_tokenizer import tokenizer_files
 from deltaserve.quant.schemes import Scheme, pack_codes
 
 _RENAME = {
@@ -90,23 +91,40 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) ->
     arch = meta.get("general.architecture")
     if arch != "qwen35":
         raise CheckpointError(f"GGUF architecture '{arch}' is not supported (only qwen35)")
+    embedded = None
+    if tokenizer_dir is None and "tokenizer.ggml.model" in meta:
+        embedded = tokenizer_files(meta)  # the file's own (checked before any tensor is read)
+    tok_src = tokenizer_dir or path.parent
+    if embedded is None and not (tok_src / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path.name} carries no tokenizer and there is no tokenizer.json "
+                              f"in {tok_src}: pass --tokenizer-from FOLDER (the original model's "
+                              "folder)")
     config = _config(meta, readers)
     tensors, schemes = _tensors(readers, config)
-    tok_src = tokenizer_dir or path.parent
-    if not (tok_src / "tokenizer.json").is_file():
-        raise CheckpointError(
-            f"no tokenizer.json in {tok_src}: the GGUF's embedded tokenizer is not converted; "
-            "pass --tokenizer-from FOLDER (the original model's folder)"
-        )
     config["quantization"] = _block(schemes)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
-        if (tok_src / name).is_file():
-            shutil.copy(tok_src / name, out_dir / name)
-    return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir)}
+    if embedded is not None:
+        _write_tokenizer(embedded, out_dir)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                     "generation_config.json"):
+            if (tok_src / name).is_file():
+                shutil.copy(tok_src / name, out_dir / name)
+    return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir),
+            "tokenizer": "embedded" if embedded is not None else str(tok_src)}
+
+
+def _write_tokenizer(files: dict, out_dir: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out_dir / name).write_text(json.dumps(files[name], ensure_ascii=False), encoding="utf-8")
+    if files["chat_template.jinja"]:
+        (out_dir / "chat_template.jinja").write_text(files["chat_template.jinja"],
+                                                     encoding="utf-8")
+    if files["eos_ids"]:
+        (out_dir / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": files["eos_ids"]}), encoding="utf-8")
 
 
 def _metadata(reader) -> dict:

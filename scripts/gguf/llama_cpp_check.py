@@ -35,6 +35,26 @@ def convert(llama_cpp: Path, src: Path, outtype: str, out: Path) -> None:
         raise SystemExit(f"convert_hf_to_gguf.py failed:\n{run.stderr[-2000:]}")
 
 
+TEXTS = ["Hello world", "def f(x):\n    return x  # c\n\n\n", "你好，世界！今日は", "🤖👩‍👩‍👧 ok",
+         "   spaced   ", "\t\ttabs\r\nCRLF", "<|im_start|>user\nhi<|im_end|>\n<think>\n</think>",
+         "don't I'LL", "3.14159 1e-9", "Ünïcödé e\u0301 \u212b", "<tool_call>\n</tool_call>"]
+
+
+def template(folder: Path) -> str:
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    return json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def tokenizer_equal(src: Path, imported: Path) -> bool:
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(imported / "tokenizer.json"))
+    theirs = Tokenizer.from_file(str(src / "tokenizer.json"))
+    return all(ours.encode(t).ids == theirs.encode(t).ids for t in TEXTS)
+
+
 def dequantized(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -77,8 +97,10 @@ def main() -> None:
                 gguf = tmp / f"{name}-{outtype}.gguf"
                 convert(args.llama_cpp, src, outtype, gguf)
                 imported = tmp / f"{name}-{outtype}"
-                import_gguf(gguf, imported, tokenizer_dir=src)
-                case = {}
+                import_gguf(gguf, imported)  # the file alone: its own tokenizer and template
+                case = {"tokenizer_ids_equal": tokenizer_equal(src, imported),
+                        "chat_template_equal": (imported / "chat_template.jinja").read_text()
+                        == template(src)}
                 if outtype == "q8_0":  # each tensor within Q8_0's error of the f32 file's
                     exact, quant = dequantized(tmp / f"{name}-f32"), dequantized(imported)
                     case["worst_tensor_rel"] = max(

@@ -78,10 +78,10 @@ def head_order(name: str, cfg: dict):
     return None if spec is None else (spec[0], spec[1], hk, hv // hk, spec[2])
 
 
-def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0):
+def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=None):
     """A checkpoint folder as a qwen35 GGUF by llama.cpp's conversion rules (a split set of files
-    of at most split_max_tensors tensors each, if given); returns {hf name: the values the file
-    encodes, in HF layout}."""
+    of at most split_max_tensors tensors each, if given; extra(writer) adds keys); returns
+    {hf name: the values the file encodes, in HF layout}."""
     cfg = __import__("json").loads((src / "config.json").read_text())
     hf = load_file(str(src / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), "qwen35", split_max_tensors=split_max_tensors)
@@ -107,7 +107,10 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0):
     w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(a + "rope.freq_base", float(rope["rope_theta"]))
     w.add_array(a + "rope.dimension_sections", [*rope["mrope_section"], 0])
-    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    if extra is not None:
+        extra(w)
+    else:
+        w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
     ref = {}
     for name, t in hf.items():
         if name.startswith("mtp."):
