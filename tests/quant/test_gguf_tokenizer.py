@@ -114,3 +114,38 @@ def test_a_file_without_a_tokenizer_names_the_way_out(tmp_path) -> None:
     write_gguf(default_model_dir(), tmp_path / "m.gguf", Q.F32, Q.F32)
     with pytest.raises(CheckpointError, match="carries no tokenizer.*--tokenizer-from"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+
+
+def test_bad_files_given_as_the_model_are_one_error_line(tmp_path, capsys, monkeypatch) -> None:
+    """`--model FILE.gguf` with a truncated file, another architecture, a config that does not
+    fit the tensors, an unknown type or a missing part: exit 1 and one `error:` line."""
+    from deltaserve.cli import main
+    from tests.quant.test_gguf_import import Q, write_gguf
+
+    src = default_model_dir()
+    meta = lambda writer: write_meta(writer, tokenizer_meta(src, 8192))  # noqa: E731
+    write_gguf(src, tmp_path / "good.gguf", Q.F32, Q.F32, extra=meta)
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "good.gguf").read_bytes()[:100_000])
+    write_gguf(src, tmp_path / "q5.gguf", Q.Q5_0, Q.Q8_0, extra=meta)
+    wrong = tmp_path / "arch.gguf"
+    w = gguf.GGUFWriter(str(wrong), "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    original = gguf.GGUFWriter.add_uint32
+    monkeypatch.setattr(gguf.GGUFWriter, "add_uint32", lambda self, key, val: original(
+        self, key, 320 if key == "qwen35.embedding_length" else val))
+    write_gguf(src, tmp_path / "shape.gguf", Q.F32, Q.F32, extra=meta)
+    monkeypatch.undo()
+    write_gguf(src, tmp_path / "s.gguf", Q.F32, Q.F32, split_max_tensors=40, extra=meta)
+    (tmp_path / "s-00002-of-00003.gguf").unlink()
+    for name, needle in (("cut.gguf", "cannot read GGUF file"),
+                         ("arch.gguf", "architecture 'llama' is not supported"),
+                         ("q5.gguf", "has type Q5_0; supported"),
+                         ("shape.gguf", "has shape [8192, 384] but the config expects"),
+                         ("s-00001-of-00003.gguf", "missing s-00002-of-00003.gguf")):
+        code = main(["generate", "--model", str(tmp_path / name), "-p", "x", "--max-tokens", "1"])
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert code == 1 and len(err) == 1 and needle in err[0], (name, err)
