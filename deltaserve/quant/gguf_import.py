@@ -60,7 +60,14 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def hf_name(name: str) -> str | None:
+_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight":
+          "pre_fc_norm_embedding.weight", "nextn.hnorm.weight": "pre_fc_norm_hidden.weight",
+          "nextn.shared_head_norm.weight": "norm.weight"}
+
+
+def hf_name(name: str, num_layers: int | None = None) -> str | None:
+    """The HF name of a GGUF tensor; blocks from num_layers on are the MTP (nextn) layers
+    (their own embedding and head copies, when present, are left: the model's are used)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
@@ -68,9 +75,15 @@ def hf_name(name: str) -> str | None:
     if name == "output_norm.weight":
         return "model.norm.weight"
     parts = name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _RENAME:
-        return f"model.layers.{parts[1]}.{_RENAME[parts[2]]}"
-    return None
+    if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdigit():
+        return None
+    layer = int(parts[1])
+    if num_layers is not None and layer >= num_layers:
+        mtp = f"mtp.layers.{layer - num_layers}"
+        if parts[2] in _NEXTN:
+            return f"mtp.{_NEXTN[parts[2]]}" if layer == num_layers else None
+        return f"{mtp}.{_RENAME[parts[2]]}" if parts[2] in _RENAME else None
+    return f"model.layers.{layer}.{_RENAME[parts[2]]}" if parts[2] in _RENAME else None
 
 
 def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) -> dict:
@@ -166,7 +179,7 @@ def _config(meta: dict, readers) -> dict:
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         vocab_size=int(embd.shape[-1]), full_attention_interval=int(get("full_attention_interval")),
-        mtp_num_hidden_layers=0,
+        mtp_num_hidden_layers=int(meta.get("qwen35.nextn_predict_layers", 0) or 0),
     )
     cfg["layer_types"] = ["full_attention" if (i + 1) % cfg["full_attention_interval"] == 0
                           else "linear_attention" for i in range(layers)]
@@ -183,9 +196,9 @@ def _config(meta: dict, readers) -> dict:
 def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
     tensors, schemes = {}, {}
     for t in (t for r in readers for t in r.tensors):
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg["num_hidden_layers"])
         if name is None:
-            continue  # MTP (nextn) blocks and unknown extras
+            continue  # unknown extras, the MTP block's own embedding / head copies
         qtype = t.tensor_type.name
         order = _value_head_order(name, cfg)
         if qtype in _FLOAT_TYPES:
@@ -218,7 +231,8 @@ def _float(t, name: str) -> torch.Tensor:
         return x.reshape(x.shape[0], 1, -1).contiguous()
     if name.endswith("A_log"):
         return torch.log(-x.double()).float()
-    if name.endswith(_SHIFTED) or name == "model.norm.weight":
+    if name.endswith(_SHIFTED) or name in ("model.norm.weight", "mtp.norm.weight") or \
+            name.startswith("mtp.pre_fc_norm_"):
         return x - 1.0
     return x.contiguous()
 

@@ -111,6 +111,10 @@ def main() -> None:
                     case["logits_rel"] = ((got - want).norm() / want.norm()).item()
                     case["greedy_equal"] = llm.generate([ids], greedy)[0].outputs[0].token_ids \
                         == want_tokens
+                    ours, theirs = dequantized(imported), dequantized(src)
+                    mtp = [k for k in theirs if k.startswith("mtp.")]
+                    case["mtp_tensors_equal"] = bool(mtp) and all(
+                        k in ours and torch.equal(ours[k], theirs[k]) for k in mtp)
                 record["cases"][f"{name}-{outtype}"] = case
                 print(name, outtype, json.dumps(case), flush=True)
     args.out.write_text(json.dumps(record, indent=1))

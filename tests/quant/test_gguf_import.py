@@ -88,7 +88,8 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
     a = "qwen35."
     hv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     rope = cfg["rope_parameters"]
-    for key, val in (("block_count", cfg["num_hidden_layers"]),
+    layers, mtp = cfg["num_hidden_layers"], cfg.get("mtp_num_hidden_layers", 0)
+    for key, val in (("block_count", layers + mtp), ("nextn_predict_layers", mtp),
                      ("context_length", cfg["max_position_embeddings"]),
                      ("embedding_length", cfg["hidden_size"]),
                      ("feed_forward_length", cfg["intermediate_size"]),
@@ -113,8 +114,6 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
         w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
     ref = {}
     for name, t in hf.items():
-        if name.startswith("mtp."):
-            continue
         x = t.float().numpy()
         order = head_order(name, cfg)
         if order is not None:
@@ -125,8 +124,20 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
             gname = "output.weight"
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
+        elif name.startswith("mtp.") and not name.startswith("mtp.layers."):  # nextn extras
+            gname = f"blk.{layers}.nextn." + {
+                "fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
+                "pre_fc_norm_hidden.weight": "hnorm.weight",
+                "norm.weight": "shared_head_norm.weight"}[name.removeprefix("mtp.")]
+            if "norm" in gname:
+                x = x + 1.0
         else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            if name.startswith("mtp.layers."):  # the MTP block follows the model's blocks
+                index, rest = name.removeprefix("mtp.layers.").split(".", 1)
+                name_in_model = f"model.layers.{layers + int(index)}.{rest}"
+            else:
+                name_in_model = name
+            layer, rest = name_in_model.removeprefix("model.layers.").split(".", 1)
             mod, leaf = rest.rsplit(".", 1)
             if mod == "linear_attn":
                 gname = f"blk.{layer}." + {"A_log": "ssm_a", "dt_bias": "ssm_dt.bias"}[leaf]
@@ -233,3 +244,8 @@ def test_more_value_heads_than_key_heads_untied_head(tmp_path, qtype) -> None:
     ids = torch.tensor(PROMPT_IDS)
     lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
     assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
+    imported = load_file(str(tmp_path / "imported" / "model.safetensors"))
+    mtp = [name for name in ref if name.startswith("mtp.") and name in imported]
+    assert len(mtp) == len([n for n in ref if n.startswith("mtp.")]) > 5  # the MTP block, whole
+    assert all(torch.equal(imported[n].float(), ref[n].float()) for n in mtp
+               if ref[n].ndim < 2 or qtype == "F32")
