@@ -34,7 +34,7 @@ class ReasoningSplitter:
         if at >= 0:
             self.in_reasoning, self.held = False, ""
             return text[:at], self._content(text[at + len(CLOSE) :])
-        keep = max(_partial(text, CLOSE), _partial(text, self.call) if self.call else 0)
+        keep = max(partial_tag(text, CLOSE), partial_tag(text, self.call) if self.call else 0)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], ""
 
@@ -50,7 +50,7 @@ class ReasoningSplitter:
         return text
 
 
-def _partial(text: str, tag: str) -> int:
-    """How many characters at the end of text could begin tag."""
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin tag (held back from a stream)."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1)
                  if text.endswith(tag[:n])), 0)

@@ -23,7 +23,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from deltaserve.server.reasoning import TOOL_CALL, partial_tag
+
+OPEN, CLOSE = TOOL_CALL, "</tool_call>"
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
@@ -145,7 +147,7 @@ class ToolCalls:
                 self._emit(self._held.rstrip() if self.calls else self._held)
             self._held, self._in_call, self._gap = "", False, ""
         elif not self._in_call:  # keep what could still begin a call, and trailing blanks
-            keep = _partial_open(self._held)
+            keep = partial_tag(self._held, OPEN)
             body = self._held[: len(self._held) - keep]
             cut = len(body.rstrip())
             self._emit(body[:cut])
@@ -164,14 +166,6 @@ class ToolCalls:
                 "type": "function", "function": call}
         self.calls.append(item)
         return item
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of text could be the start of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def required_tag(spec: ToolSpec, only: str | None = None) -> str:
