@@ -254,7 +254,8 @@ class Engine:
         if chosen:  # a row with nothing left (every logit -inf) is caught by its max below
             table = torch.stack([processed[rid] for rid in chosen])
             heads += [table.argmax(-1), torch.isfinite(table.amax(-1)).long()]
-        failed, tokens = logits.failed_with(torch.cat(heads) if heads else None)
+        head = None if not heads else heads[0] if len(heads) == 1 else torch.cat(heads)
+        failed, tokens = logits.failed_with(head)
         if chosen:
             tokens, ok = tokens[: len(plain) + len(chosen)], tokens[len(plain) + len(chosen):]
             failed = failed | {rid for rid, good in zip(chosen, ok, strict=True) if not good}
