@@ -49,7 +49,7 @@ def quantized_copy(model_dir: Path, fmt: str, log=print) -> Path:
     return out
 
 
-GGUF_IMPORTER_VERSION = 1  # a changed importer gets a fresh copy
+GGUF_IMPORTER_VERSION = 2  # a changed importer gets a fresh copy
 
 
 def gguf_copy(parts: list[Path], log=print) -> Path:
@@ -73,7 +73,7 @@ def gguf_copy(parts: list[Path], log=print) -> Path:
     tmp = root / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        import_gguf(parts[0], tmp)
+        report = import_gguf(parts[0], tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -82,4 +82,7 @@ def gguf_copy(parts: list[Path], log=print) -> Path:
     tmp.rename(out)
     written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     log(f"imported in {time.perf_counter() - start:.1f} s: {written / 2**30:.2f} GiB in {out}")
+    if report["dequantized"]:
+        log("tensors of " + ", ".join(f"{k} ({n})" for k, n in report["dequantized"].items())
+            + " run as float weights: quantized execution of these types is not implemented yet")
     return out

@@ -40,6 +40,10 @@ _SHIFTED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm
             "k_norm.weight")
 _SCHEMES = {"Q8_0": Scheme("int8", 8, 32), "Q4_0": Scheme("affine", 4, 32), "Q1_0": Scheme("q1", 1, 128)}
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+# read through the gguf package's reference dequantizer into fp32 (the values exactly): the
+# engine has no kernels for their layouts yet, so they run as float weights (said at import)
+DEQUANTIZED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                     "IQ4_XS")
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q1_0": 18}
 
 
@@ -125,8 +129,10 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) ->
                      "generation_config.json"):
             if (tok_src / name).is_file():
                 shutil.copy(tok_src / name, out_dir / name)
+    types = Counter(t.tensor_type.name for r in readers for t in r.tensors)
     return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir),
-            "tokenizer": "embedded" if embedded is not None else str(tok_src)}
+            "tokenizer": "embedded" if embedded is not None else str(tok_src),
+            "dequantized": {k: n for k, n in sorted(types.items()) if k in DEQUANTIZED_TYPES}}
 
 
 def _write_tokenizer(files: dict, out_dir: Path) -> None:
@@ -201,7 +207,7 @@ def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Sch
             continue  # unknown extras, the MTP block's own embedding / head copies
         qtype = t.tensor_type.name
         order = _value_head_order(name, cfg)
-        if qtype in _FLOAT_TYPES:
+        if qtype in _FLOAT_TYPES or qtype in DEQUANTIZED_TYPES:
             x = _float(t, name)
             if order is not None:
                 axis, perm = order
@@ -215,13 +221,20 @@ def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Sch
         else:
             raise CheckpointError(
                 f"GGUF tensor '{t.name}' has type {qtype}; supported: "
-                f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES))}"
+                f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES) + DEQUANTIZED_TYPES)}"
             )
     return tensors, schemes
 
 
 def _float(t, name: str) -> torch.Tensor:
     data = np.asarray(t.data)
+    if t.tensor_type.name in DEQUANTIZED_TYPES:
+        import gguf
+
+        try:
+            data = gguf.quants.dequantize(data, t.tensor_type)
+        except ValueError as exc:  # a block count that does not fit the shape
+            raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized") from exc
     if t.tensor_type.name == "BF16":
         x = torch.from_numpy(data.copy().view(np.int16)).view(torch.bfloat16).float()
     else:

@@ -47,6 +47,23 @@ def q1_blocks(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1), deq.reshape(x.shape).astype(np.float32)
 
 
+# where each type's fp16 fields sit in its block (ggml-common.h): random bytes elsewhere are valid
+RANDOM_BLOCKS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                 "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_blocks(rows: int, nbytes: int, qtype: str, seed: int) -> np.ndarray:
+    """Rows of random blocks of a type, its fp16 scales small and finite."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, nbytes), dtype=np.uint8)
+    size = gguf.GGML_QUANT_SIZES[Q[qtype]][1]
+    blocks = raw.reshape(rows, -1, size)
+    for at in RANDOM_BLOCKS[qtype]:
+        scale = (rng.uniform(0.002, 0.02, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]))
+        blocks[:, :, at:at + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
 def tiled(x: np.ndarray, axis: int, start: int, hk: int, r: int, hd: int) -> np.ndarray:
     """llama.cpp's converter order for value heads (conversion/qwen.py, _reorder_v_heads): HF
     head g*r + i goes to slot i*Hk + g, each head a block of hd entries along axis."""
@@ -144,9 +161,16 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
             else:
                 gname = f"blk.{layer}.{RENAME[mod]}.{leaf}"
         kind = embed_qtype if gname == "token_embd.weight" else qtype
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        if x.ndim == 2 and x.shape[1] % block:
+            kind = Q.F32  # as llama-quantize falls back for rows its blocks do not fill
         if x.ndim == 2 and kind != Q.F32:
             if kind == Q.Q1_0:
                 blocks, deq = q1_blocks(x)
+            elif kind.name in RANDOM_BLOCKS:  # gguf-py cannot quantize these: random blocks
+                blocks = random_blocks(x.shape[0], x.shape[1] // block * size, kind.name,
+                                       seed=len(ref))
+                deq = gguf.quants.dequantize(blocks, kind).reshape(x.shape)
             else:
                 blocks = gguf.quants.quantize(x, kind)
                 deq = gguf.quants.dequantize(blocks, kind).reshape(x.shape)
@@ -198,8 +222,8 @@ def test_bad_gguf_files_are_clear_errors(tmp_path, capsys) -> None:
     with pytest.raises(CheckpointError, match="tokenizer"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "o2")
     (tmp_path / "k").mkdir()
-    write_gguf(src, tmp_path / "k" / "m.gguf", Q.Q5_0, Q.Q8_0)
-    with pytest.raises(CheckpointError, match="type Q5_0; supported"):
+    write_gguf(src, tmp_path / "k" / "m.gguf", Q.MXFP4, Q.Q8_0)
+    with pytest.raises(CheckpointError, match="type MXFP4; supported"):
         import_gguf(tmp_path / "k" / "m.gguf", tmp_path / "o3", tokenizer_dir=src)
 
 
@@ -249,3 +273,28 @@ def test_more_value_heads_than_key_heads_untied_head(tmp_path, qtype) -> None:
     assert len(mtp) == len([n for n in ref if n.startswith("mtp.")]) > 5  # the MTP block, whole
     assert all(torch.equal(imported[n].float(), ref[n].float()) for n in mtp
                if ref[n].ndim < 2 or qtype == "F32")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                   "IQ4_NL", "IQ4_XS"])
+def test_types_read_through_the_reference_dequantizer(tmp_path, qtype) -> None:
+    """Each type the engine has no kernel for yet: the imported float weights are exactly the
+    gguf package's dequantized values (Hv = 2 Hk, so the head order applies to them too)."""
+    from tests.conftest import write_variant
+
+    src = write_variant(tmp_path / "hf", 5, hidden_size=256, intermediate_size=512,
+                        vocab_size=1024)
+    ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[qtype])
+    report = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
+    assert report["dequantized"][qtype] > 10
+    imported = load_file(str(tmp_path / "imported" / "model.safetensors"))
+    for name, want in ref.items():
+        if name in imported and want.ndim == 2:  # the quantized weights (A_log goes through exp)
+            assert torch.equal(imported[name].float(), want.float()), name
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
+    ids = torch.tensor(PROMPT_IDS)
+    lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
+    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5

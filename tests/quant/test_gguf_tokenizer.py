@@ -126,7 +126,7 @@ def test_bad_files_given_as_the_model_are_one_error_line(tmp_path, capsys, monke
     meta = lambda writer: write_meta(writer, tokenizer_meta(src, 8192))  # noqa: E731
     write_gguf(src, tmp_path / "good.gguf", Q.F32, Q.F32, extra=meta)
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "good.gguf").read_bytes()[:100_000])
-    write_gguf(src, tmp_path / "q5.gguf", Q.Q5_0, Q.Q8_0, extra=meta)
+    write_gguf(src, tmp_path / "q5.gguf", Q.MXFP4, Q.Q8_0, extra=meta)
     wrong = tmp_path / "arch.gguf"
     w = gguf.GGUFWriter(str(wrong), "llama")
     w.add_uint32("llama.block_count", 1)
@@ -144,7 +144,7 @@ def test_bad_files_given_as_the_model_are_one_error_line(tmp_path, capsys, monke
     parts[1].unlink()
     for name, needle in (("cut.gguf", "cannot read GGUF file"),
                          ("arch.gguf", "architecture 'llama' is not supported"),
-                         ("q5.gguf", "has type Q5_0; supported"),
+                         ("q5.gguf", "has type MXFP4; supported"),
                          ("shape.gguf", "has shape [8192, 384] but the config expects"),
                          (parts[0].name, f"missing {parts[1].name}")):
         code = main(["generate", "--model", str(tmp_path / name), "-p", "x", "--max-tokens", "1"])
