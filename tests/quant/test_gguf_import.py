@@ -194,6 +194,17 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
     return ref
 
 
+def logits_rel(src, ref: dict, imported, tmp_path) -> float:
+    """Prompt logits rel-L2 of the imported folder against a copy of src holding ref's values."""
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    ours, theirs = LLM(imported, dtype="float32"), LLM(ref_dir, dtype="float32")
+    ids = torch.tensor(PROMPT_IDS)
+    lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
+    return ((lo - lr).norm() / lr.norm()).item()
+
+
 @pytest.mark.parametrize(("qtype", "embed_qtype"), [("Q8_0", "Q8_0"), ("Q4_0", "Q8_0"),
                                                     ("Q1_0", "Q4_0"), ("F32", "BF16")])
 def test_gguf_file_runs_like_the_values_it_encodes(tmp_path, qtype, embed_qtype) -> None:
@@ -201,14 +212,7 @@ def test_gguf_file_runs_like_the_values_it_encodes(tmp_path, qtype, embed_qtype)
     ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[embed_qtype])
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
     assert out["tensors"] > 0
-    ref_dir = tmp_path / "ref"
-    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
-    ids = torch.tensor(PROMPT_IDS)
-    lo = prompt_logits(ours.model, ids)[None]
-    lr = prompt_logits(theirs.model, ids)[None]
-    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
 
 
 def test_bad_gguf_files_are_clear_errors(tmp_path, capsys) -> None:
@@ -261,13 +265,7 @@ def test_more_value_heads_than_key_heads_untied_head(tmp_path, qtype) -> None:
                         vocab_size=4096)
     ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[qtype])
     import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
-    ref_dir = tmp_path / "ref"
-    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
-    ids = torch.tensor(PROMPT_IDS)
-    lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
-    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
     imported = load_file(str(tmp_path / "imported" / "model.safetensors"))
     mtp = [name for name in ref if name.startswith("mtp.") and name in imported]
     assert len(mtp) == len([n for n in ref if n.startswith("mtp.")]) > 5  # the MTP block, whole
@@ -291,10 +289,4 @@ def test_types_read_through_the_reference_dequantizer(tmp_path, qtype) -> None:
     for name, want in ref.items():
         if name in imported and want.ndim == 2:  # the quantized weights (A_log goes through exp)
             assert torch.equal(imported[name].float(), want.float()), name
-    ref_dir = tmp_path / "ref"
-    shutil.copytree(src, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    ours, theirs = LLM(tmp_path / "imported", dtype="float32"), LLM(ref_dir, dtype="float32")
-    ids = torch.tensor(PROMPT_IDS)
-    lo, lr = prompt_logits(ours.model, ids), prompt_logits(theirs.model, ids)
-    assert ((lo - lr).norm() / lr.norm()).item() <= 1e-5
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
