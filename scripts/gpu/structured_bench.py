@@ -52,10 +52,11 @@ def compile_times(llm) -> dict:
 
 
 def processing_cost(llm, batch: int, steps: int, device: str) -> dict:
-    """Median ms of one step's processing for `batch` constrained + penalised rows: matchers fill
-    their masks, apply() masks and penalises the [B, V] rows on the device, greedy picks."""
+    """Median ms of one step's processing for `batch` constrained + penalised rows, by phase:
+    the matchers fill their masks on the host (fill), apply() penalises and masks the [B, V]
+    rows on the device (apply, synchronized), the greedy pick reads the tokens back (pick)."""
     from deltaserve import SamplingParams
-    from deltaserve.engine.processors import apply
+    from deltaserve.engine.processors import apply, grammar_masks
     from deltaserve.structured.params import StructuredOutputsParams as S
 
     engine = llm.engine
@@ -64,18 +65,28 @@ def processing_cost(llm, batch: int, steps: int, device: str) -> dict:
                             structured_outputs=S(json=SCHEMA))
     procs = [engine.processor(params, [1, 2, 3]) for _ in range(batch)]
     gen = torch.Generator(device=device).manual_seed(0)
-    times = []
+    phases: dict[str, list[float]] = {"fill": [], "apply": [], "pick": [], "total": []}
     for _ in range(steps):
         logits = torch.randn(batch, vocab, device=device, generator=gen)
         sync(device)
-        start = time.perf_counter()
-        rows = apply(logits, procs, engine.grammars)
+        t0 = time.perf_counter()
+        masks = grammar_masks(procs, engine.grammars, logits.device)
+        t1 = time.perf_counter()
+        rows = apply(logits, procs, masks=masks)
+        sync(device)
+        t2 = time.perf_counter()
         tokens = rows.argmax(-1).tolist()
-        times.append(1e3 * (time.perf_counter() - start))
+        t3 = time.perf_counter()
+        for key, a, b in (("fill", t0, t1), ("apply", t1, t2), ("pick", t2, t3),
+                          ("total", t0, t3)):
+            phases[key].append(1e3 * (b - a))
         for proc, token in zip(procs, tokens, strict=True):
             if not proc.accept(token) or proc.matcher.is_terminated():
                 proc.matcher.reset()
-    return {"median_ms": statistics.median(times[3:]), "p90_ms": sorted(times)[int(0.9 * steps)]}
+    out = {f"{k}_ms": statistics.median(v[3:]) for k, v in phases.items()}
+    out["median_ms"] = out.pop("total_ms")
+    out["p90_ms"] = sorted(phases["total"])[int(0.9 * steps)]
+    return out
 
 
 def decode_rate(llm, batch: int, constrained: bool, tokens: int) -> float:
@@ -127,6 +138,8 @@ def main() -> None:
               "compile": compile_times(llm), "batches": {}}
     print("compile", json.dumps(record["compile"]), flush=True)
     for batch in map(int, args.batches.split(",")):
+        for constrained in (False, True):  # warm-up: kernels compiled, graphs captured
+            decode_rate(llm, batch, constrained, 64)
         free = decode_rate(llm, batch, False, 64)
         constrained = decode_rate(llm, batch, True, 64)
         cost = processing_cost(llm, batch, 40, args.device)
