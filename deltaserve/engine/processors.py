@@ -24,7 +24,7 @@ class Processor:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], eos_ids: frozenset[int],
                  vocab_size: int, device: torch.device, tokenizer, grammars=None,
                  think_ids: tuple[int | None, int | None] = (None, None)) -> None:
-        self.params, self.vocab_size, self.device = params, vocab_size, device
+        self.params = params
         p = params
         for t in (*(t for t, _ in p.logit_bias or ()), *(p.allowed_token_ids or ())):
             if not 0 <= t < vocab_size:
@@ -37,6 +37,7 @@ class Processor:
         self.repeated: set[int] | None = None  # prompt and output tokens (repetition penalty)
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             self.counts = {}
+        self._repeated_ids = None  # the set as a tensor, rebuilt only when the set grows
         if p.repetition_penalty != 1.0:
             self.repeated = set(prompt_ids)
         self.bias = None
@@ -61,6 +62,13 @@ class Processor:
                     _last(prompt_ids, opened) > _last(prompt_ids, closed):
                 self.waiting_for = closed
 
+    def repeated_ids(self) -> torch.Tensor:
+        """The repetition penalty's tokens (prompt and output) as a long tensor on the host: a
+        long prompt's set is turned into a tensor once, not every step."""
+        if self._repeated_ids is None:
+            self._repeated_ids = torch.tensor(sorted(self.repeated), dtype=torch.long)
+        return self._repeated_ids
+
     @property
     def constrained(self) -> bool:
         """The grammar applies to the next token."""
@@ -71,8 +79,9 @@ class Processor:
         self.num_out += 1
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
-        if self.repeated is not None:
+        if self.repeated is not None and token not in self.repeated:
             self.repeated.add(token)
+            self._repeated_ids = None
         if self.bad_words:
             self.tail = (self.tail + [token])[-max(len(w) for w in self.bad_words):]
         if self.matcher is None:
@@ -152,8 +161,9 @@ def _penalize(rows: torch.Tensor, procs: list[Processor]) -> None:
     for i, proc in enumerate(procs):
         p = proc.params
         if proc.repeated:
-            rep_at += [i * vocab + t for t in proc.repeated]
-            rep_by += [p.repetition_penalty] * len(proc.repeated)
+            ids = proc.repeated_ids()
+            rep_at.append(ids + i * vocab)
+            rep_by.append(torch.full(ids.shape, p.repetition_penalty))
         if proc.counts and (p.frequency_penalty or p.presence_penalty):
             out_at += [i * vocab + t for t in proc.counts]
             out_count += list(proc.counts.values())
@@ -165,7 +175,8 @@ def _penalize(rows: torch.Tensor, procs: list[Processor]) -> None:
         return torch.tensor(xs, dtype=dtype).to(rows.device, non_blocking=True)
 
     if rep_at:
-        at, by = tensor(rep_at, torch.long), tensor(rep_by)
+        at = torch.cat(rep_at).to(rows.device, non_blocking=True)
+        by = torch.cat(rep_by).to(rows.device, non_blocking=True)
         x = flat[at]
         flat[at] = torch.where(x > 0, x / by, x * by)
     if out_at:

@@ -145,7 +145,8 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                            param="max_tokens")
         if limit == 0 and len(ids) > llm.max_model_len:  # checked before any scoring
             raise context_overflow(len(ids), llm.max_model_len, 0)
-        params = _params(body, llm, len(ids), num_lp) if limit != 0 else None
+        tools = tool_spec(body)  # the calls parsed from the output (None: no tools, or "none")
+        params = _params(body, llm, len(ids), tools, num_lp) if limit != 0 else None
         if params and params[0].structured_outputs is not None:  # compiled off the engine thread
             try:
                 await prep.run(0, llm.engine.grammars.compile, params[0].structured_outputs)
@@ -161,7 +162,6 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         # the whole response's outputs (a stream makes its own): generated text's offsets count
         # from the end of the echoed prompt's last token
         start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
-        tools = tool_spec(body)
         outputs = [ChoiceOutput(kind, thinking, llm.tokenizer.decode, num_lp or 0,
                                 num_lp is not None, start, tools) for _ in range(body.n)]
         if limit == 0:  # echo only: score the prompt, generate nothing
@@ -270,7 +270,8 @@ def _check_model(name: str, served_name: str) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
 
 
-def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[SamplingParams]:
+def _params(body, llm, num_prompt: int, tools, logprobs: int | None = None
+            ) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i samples with seed + i (reproducible,
     and the choices differ)."""
     limit = body.token_limit()
@@ -280,7 +281,7 @@ def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[Sam
     default = llm.get_default_sampling_params()
     pick = lambda name: getattr(default, name) if getattr(body, name) is None \
         else getattr(body, name)  # noqa: E731
-    structured = structured_of(body)
+    structured = structured_of(body, tools)
     try:
         return [SamplingParams(
             temperature=pick("temperature"), top_p=pick("top_p"),
@@ -293,7 +294,7 @@ def _params(body, llm, num_prompt: int, logprobs: int | None = None) -> list[Sam
             ignore_eos=body.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             # a call's tags may be special tokens (Qwen3.5's are): kept for the parser (as vLLM)
-            skip_special_tokens=body.skip_special_tokens and tool_spec(body) is None,
+            skip_special_tokens=body.skip_special_tokens and tools is None,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
             min_tokens=body.min_tokens, bad_words=body.bad_words,
             allowed_token_ids=body.allowed_token_ids, structured_outputs=structured)

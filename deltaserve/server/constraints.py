@@ -21,7 +21,8 @@ def tool_spec(body) -> ToolSpec | None:
                      for t in body.tools}, body.parallel_tool_calls)
 
 
-def structured_of(body) -> StructuredOutputsParams | None:
+def structured_of(body, spec: ToolSpec | None) -> StructuredOutputsParams | None:
+    """The one constraint of a request (spec: its tool_spec, for tool_choice required / named)."""
     given: list[tuple[str, dict]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -42,7 +43,6 @@ def structured_of(body) -> StructuredOutputsParams | None:
         if getattr(body, name) is not None:
             given.append((name, {key: getattr(body, name)}))
     choice = getattr(body, "tool_choice", None)
-    spec = tool_spec(body)
     if spec is not None and choice not in (None, "auto"):
         only = None if choice == "required" else choice.function.name
         given.append(("tool_choice", {"structural_tag": required_tag(spec, only)}))
