@@ -184,6 +184,9 @@ def _parser_import_gguf(sub: argparse._SubParsersAction) -> None:
     gg.add_argument("out", help="output folder")
     gg.add_argument("--tokenizer-from", default=None,
                     help="folder with the model's tokenizer.json (default: the file's own)")
+    gg.add_argument("--dequantize", action="store_true",
+                    help="write every tensor as fp32 through the gguf package's reference "
+                         "dequantizer (a float checkpoint: for transformers or `validate`)")
 
 
 def _parser_gate(sub: argparse._SubParsersAction) -> None:
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             from deltaserve.quant.gguf_import import import_gguf
 
             tok = Path(args.tokenizer_from) if args.tokenizer_from else None
-            print(json.dumps(import_gguf(Path(args.gguf), Path(args.out), tok), indent=2))
+            report = import_gguf(Path(args.gguf), Path(args.out), tok, dequantize=args.dequantize)
+            print(json.dumps(report, indent=2))
             return 0
         if args.command == "gate":
             from deltaserve.bench.gate import run_gate

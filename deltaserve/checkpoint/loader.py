@@ -91,11 +91,11 @@ def _tp_plan(cfg: TextConfig, tp):
 
 def _check_quantized_split(plan, raw: dict[str, Any], index: TensorIndex) -> None:
     from deltaserve.distributed.shard import check_quantized_split
-    from deltaserve.quant.loading import quant_block, scheme_from
+    from deltaserve.quant.loading import quant_block, quantized_scheme
 
     block = quant_block(raw)
     if block is not None:
-        check_quantized_split(plan, index, lambda name: scheme_from(block, name))
+        check_quantized_split(plan, index, lambda name: quantized_scheme(block, index, name))
 
 
 def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,6 +104,9 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
+        if getattr(module, "checkpoint_name", None) is not None:  # one part of a packed Linear
+            targets[f"{module.checkpoint_name}.{leaf}"] = param.data
+            continue
         if not isinstance(module, Linear) or module.parts is None:
             targets[name] = param.data
             continue

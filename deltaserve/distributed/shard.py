@@ -122,16 +122,22 @@ def _uneven(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_quantized_split(plan: TPPlan, index, scheme_for) -> None:
-    """Before building: every quantized row-parallel weight keeps whole groups per rank.
-    scheme_for(name) -> the module's quant.schemes.Scheme (or None when not quantized)."""
+    """Before building: every quantized row-parallel weight keeps whole groups (or llama.cpp
+    blocks) per rank. scheme_for(module) -> its quant.schemes.Scheme, None when not quantized."""
     for name in index.locations:
         parts = name.split(".")
-        if len(parts) < 2 or parts[-1] != "scales" or parts[-2] not in ROW:
+        if len(parts) < 2 or parts[-2] not in ROW:
             continue
         module = name.rpartition(".")[0]
-        scheme = scheme_for(module)
-        groups = index.meta(name)[0][-1]
-        if scheme is not None and groups % plan.size:
+        if parts[-1] == "input_order":
+            raise CheckpointError(f"'{module}' keeps the GGUF's value-head column order (heads "
+                                  "narrower than its blocks): it cannot be split over ranks")
+        scheme = scheme_for(module) if parts[-1] == "weight" else None
+        if scheme is None:
+            continue
+        shape = index.meta(name)[0]
+        groups = shape[-1] // scheme.packed_shape(1, scheme.group_size)[1]
+        if groups % plan.size:
             cols = groups * scheme.group_size
             raise CheckpointError(
                 f"'{module}': {cols} inputs in groups of {scheme.group_size} do not split over "

@@ -16,7 +16,7 @@ from deltaserve.distributed.comm import Comm
 from deltaserve.distributed.shard import TPPlan
 from deltaserve.layers.linear import linear
 from deltaserve.ops.greedy_head import greedy_tokens
-from deltaserve.quant.linear import embed, is_quantized, quant_linear
+from deltaserve.quant.linear import embed, is_quantized, quant_linear, row_view
 
 # row-parallel projection (module attribute name) -> its reduction's tensor class
 ROW_PARALLEL = {"o_proj": "attn", "out_proj": "gdn", "down_proj": "ffn"}
@@ -61,11 +61,7 @@ def _head_rows(head: nn.Module, rows: int):
     """The head restricted to its first `rows` vocabulary rows (the padding dropped)."""
     if not is_quantized(head):
         return SimpleNamespace(weight=head.weight[:rows])
-    view = SimpleNamespace(weight=head.weight[:rows], scales=head.scales[:rows],
-                           scheme=head.scheme, in_cols=head.in_cols)
-    if head.scheme.has_biases():
-        view.biases = head.biases[:rows]
-    return view
+    return row_view(head, 0, rows)
 
 
 def attach(model: nn.Module, plan: TPPlan, comm: Comm) -> None:

@@ -46,6 +46,12 @@ class Linear(nn.Module):
         self.in_features, self.out_sizes = in_features, sizes
         self.parts = parts
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features, dtype=dtype), False)
+        # packed parts the checkpoint quantized differently (a GGUF's q|k|v with v in Q6_K, the
+        # rest Q4_K): one quantized Linear per part, run in turn (quant.linear.quantize_parts_)
+        self.segments: nn.ModuleList | None = None
+        # x's columns gathered into the weight's column order first (int64 [in]): a GGUF's GDN
+        # out-projection whose value heads are narrower than its blocks keeps the file's order
+        self.input_order: nn.Parameter | None = None
 
     scheme = None  # a quant.schemes.Scheme once quant.linear.quantize_module_ has packed it
     # row-parallel under tensor parallelism: partial sums -> sums (distributed.sharded.attach)
@@ -56,7 +62,11 @@ class Linear(nn.Module):
         the decode GEMV where fuses_prologue(x) says so, else by the separate ops first."""
         if prologue is not None and not self.fuses_prologue(x):
             x, prologue = apply_ref(x, prologue), None
-        if self.scheme is not None:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        if self.segments is not None:
+            y = torch.cat([segment(x) for segment in self.segments], dim=-1)
+        elif self.scheme is not None:
             from deltaserve.quant.linear import quant_linear
 
             y = quant_linear(x, self, prologue)
@@ -68,7 +78,8 @@ class Linear(nn.Module):
         """Whether this layer's GEMV for input row(s) x computes a prologue itself: one CUDA row on
         a Triton GEMV (dense: a tuned shape; packed: every layout ops/triton_qgemv reads), as the
         op's dispatch chose (DELTASERVE_GEMV_PROLOGUE=0: never)."""
-        if not x.is_cuda or x.numel() != x.shape[-1] or not env().gemv_prologue:
+        if not x.is_cuda or x.numel() != x.shape[-1] or not env().gemv_prologue or \
+                self.segments is not None or self.input_order is not None:
             return False
         if self.scheme is None:
             return LINEAR.choose(linear_case(x, self.weight)).name == "triton_gemv"

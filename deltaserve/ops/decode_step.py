@@ -91,7 +91,7 @@ class DsModel(ctypes.Structure):
 def _matrix(linear, lib, keep: list) -> DsMat | None:
     """The C description of a Linear for a batch-1 fp32 decode row, with the kernel the layered
     path would pick (ops/qgemv.qgemv, ops/gemv.gemv); None where that path is not native."""
-    if linear.reduce is not None:
+    if linear.reduce is not None or linear.segments is not None or linear.input_order is not None:
         return None
     scheme = linear.scheme
     if scheme is None:

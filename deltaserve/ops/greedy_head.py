@@ -9,8 +9,6 @@ between a kernel's blocked and tail paths): the tokens equal argmax of the full 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
@@ -20,13 +18,11 @@ TILE_ROWS = 32768
 
 def _rows_of(module, start: int, end: int):
     """The head restricted to vocabulary rows [start, end): a plain tensor or a packed view."""
+    from deltaserve.quant.linear import row_view
+
     if getattr(module, "scheme", None) is None:
         return module.weight[start:end]
-    view = SimpleNamespace(weight=module.weight[start:end], scales=module.scales[start:end],
-                           scheme=module.scheme, in_cols=module.in_cols)
-    if module.scheme.has_biases():
-        view.biases = module.biases[start:end]
-    return view
+    return row_view(module, start, end)
 
 
 GREEDY_HEAD = Op("greedy_head", "argmax tokens of the head's logits, never materialised",
@@ -83,7 +79,7 @@ def greedy_tokens_ref(h: torch.Tensor, head, tile_rows: int = TILE_ROWS) -> torc
     best_idx = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
     for start in range(0, vocab, tile_rows):
         part = _rows_of(head, start, min(start + tile_rows, vocab))
-        logits = (quant_linear(h, part) if isinstance(part, SimpleNamespace)
+        logits = (quant_linear(h, part) if not isinstance(part, torch.Tensor)
                   else linear(h, part)).float()
         val, idx = logits.max(dim=-1)
         better = val > best_val  # strictly: an earlier tile keeps a tie

@@ -121,6 +121,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int
     ] * 2
     lib.ds_dequant.restype = None
+    lib.ds_dequant_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.ds_dequant_blocks.restype = None
+    lib.ds_gemm_blocks.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [
+        ctypes.c_int]
+    lib.ds_gemm_blocks.restype = None
     return lib
 
 

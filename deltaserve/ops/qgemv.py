@@ -1,6 +1,7 @@
 """Decode GEMV on quantized weights (CPU): the packed codes are read once, never widened to a
-dense matrix. Native kernels (ops/csrc/gemv_quant.c) cover int8, 4-bit affine and q1; other
-layouts (MLX 8-bit affine, 2/3/5/6-bit) take the reference: dequantize, then F.linear.
+dense matrix. Native kernels (ops/csrc/gemv_quant.c) cover int8, 4-bit affine and q1, and
+ops/csrc/gemv_blocks.c llama.cpp's block layouts (q4_k, q6_k, iq4_xs, ...); other layouts (MLX
+8-bit affine, 2/3/5/6-bit) take the reference: dequantize, then F.linear.
 
 int8 and 4-bit affine decode, where the library was built with AVX512-VNNI, quantize the
 activation x to int8 per group of the weight's group size (64 in our format; symmetric, d =
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from deltaserve.env import env
 from deltaserve.ops import tuning
 from deltaserve.ops.native import native_lib, simd_lanes
+from deltaserve.quant.ggml_blocks import BLOCKS
 from deltaserve.quant.schemes import Scheme, dequantize, unpack_codes
 
 
@@ -79,6 +81,11 @@ def dequantize_into(p: dict, scheme: Scheme, out: torch.Tensor) -> torch.Tensor:
     covers the layout, else the reference dequantizer."""
     lib = native_lib()
     kind = _NATIVE_KINDS.get((scheme.kind, scheme.bits))
+    if lib is not None and scheme.is_block() and out.device.type == "cpu":
+        w = p["weight"].contiguous()
+        lib.ds_dequant_blocks(BLOCKS[scheme.kind][0], w.data_ptr(), out.data_ptr(), out.shape[0],
+                              out.shape[1], torch.get_num_threads())
+        return out
     if lib is None or kind is None or out.device.type != "cpu":
         return out.copy_(dequantize(p, scheme, out.dtype))
     w = p["weight"].contiguous()
@@ -144,10 +151,22 @@ def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
     return fn
 
 
+def gemm_blocks(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
+    """x [M,K] (M <= QGEMM_MAX_ROWS) -> [M,N] fp32 on a block layout's native kernel, which
+    decodes each block once for all rows; a row gets the same bits whatever M is."""
+    w, x = p["weight"].contiguous(), x.float().contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    native_lib().ds_gemm_blocks(BLOCKS[scheme.kind][0], w.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                x.shape[0], w.shape[0], x.shape[-1], torch.get_num_threads())
+    return out
+
+
 def qgemv(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
     lib = native_lib()
     k = x.shape[-1]
     native = lib is not None and x.device.type == "cpu"
+    if native and scheme.is_block():
+        return gemm_blocks(x, p, scheme)
     if not native or (scheme.kind, scheme.bits) not in _STEMS:
         return qgemv_ref(x, p, scheme)
     w = p["weight"].contiguous()
@@ -174,6 +193,8 @@ def qgemm_rows(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor | None:
     calls, the packed codes streamed once for all rows (int8, 4-bit affine); None where no such
     kernel applies (then: a qgemv per row)."""
     w = p["weight"]
+    if scheme.is_block() and x.device.type == "cpu" and native_lib() is not None:
+        return gemm_blocks(x, p, scheme)
     multi = None if x.device.type != "cpu" else _multi_row_kernel(native_lib(), scheme,
                                                                   w.shape[0], x.shape[-1])
     if multi is None:
@@ -202,5 +223,7 @@ def qgemm_max_rows(scheme: Scheme, n: int, k: int) -> int:
     """How many CPU rows qgemm_rows takes for an [n, k] weight here (0: none, a GEMV per row).
     Without the kernels' vector paths a multi-row call costs what a GEMV per row costs: rows past
     quant/linear.CPU_GEMV_MAX_ROWS then take dequantize + torch's GEMM."""
+    if scheme.is_block():  # one kernel for any number of rows
+        return QGEMM_MAX_ROWS if native_lib() is not None else 0
     multi = _multi_row_kernel(native_lib(), scheme, n, k) is not None
     return QGEMM_MAX_ROWS if multi and simd_lanes() else 0

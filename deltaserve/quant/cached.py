@@ -49,7 +49,7 @@ def quantized_copy(model_dir: Path, fmt: str, log=print) -> Path:
     return out
 
 
-GGUF_IMPORTER_VERSION = 2  # a changed importer gets a fresh copy
+GGUF_IMPORTER_VERSION = 3  # a changed importer gets a fresh copy
 
 
 def gguf_copy(parts: list[Path], log=print) -> Path:
@@ -82,7 +82,5 @@ def gguf_copy(parts: list[Path], log=print) -> Path:
     tmp.rename(out)
     written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     log(f"imported in {time.perf_counter() - start:.1f} s: {written / 2**30:.2f} GiB in {out}")
-    if report["dequantized"]:
-        log("tensors of " + ", ".join(f"{k} ({n})" for k, n in report["dequantized"].items())
-            + " run as float weights: quantized execution of these types is not implemented yet")
+    log("tensor types: " + ", ".join(f"{k} ({n})" for k, n in report["types"].items()))
     return out

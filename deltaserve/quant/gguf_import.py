@@ -2,8 +2,10 @@
 
 Read with the `gguf` package; names and transforms are the inverse of llama.cpp's conversion
 (formats.md section 6): (1+w) norms stored +1, `ssm_a` = -exp(A_log), conv stored [C, 4].
-Q8_0 -> int8 (group 32), Q4_0 -> 4-bit affine (group 32, bias -8d), Q1_0 -> q1 (group 128); the
-block bytes are repacked, never dequantized, so the values are exactly the file's.
+Q8_0 -> int8 (group 32), Q4_0 / Q4_1 -> 4-bit affine (group 32, bias -8d / m), Q1_0 -> q1 (group
+128): the block bytes repacked; the K-quants, IQ4_XS / IQ4_NL and Q5_0 / Q5_1 are kept as the
+file's blocks (quant/ggml_blocks.py). Nothing is dequantized: the values are exactly the file's.
+Only 1-D tensors (norms, biases) and the conv are turned into floats, as llama.cpp keeps them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import text_config
 from deltaserve.errors import CheckpointError
+from deltaserve.quant.ggml_blocks import BLOCKS, GGUF_TYPES
 from deltaserve.quant.gguf_tokenizer import tokenizer_files
 from deltaserve.quant.schemes import Scheme, pack_codes
 
@@ -38,13 +41,12 @@ _RENAME = {
 }
 _SHIFTED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
             "k_norm.weight")
-_SCHEMES = {"Q8_0": Scheme("int8", 8, 32), "Q4_0": Scheme("affine", 4, 32), "Q1_0": Scheme("q1", 1, 128)}
+_SCHEMES = {"Q8_0": Scheme("int8", 8, 32), "Q4_0": Scheme("affine", 4, 32),
+            "Q4_1": Scheme("affine", 4, 32), "Q1_0": Scheme("q1", 1, 128)}
+_SCHEMES.update({t: Scheme(k, BLOCKS[k][3], BLOCKS[k][1]) for t, k in GGUF_TYPES.items()})
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-# read through the gguf package's reference dequantizer into fp32 (the values exactly): the
-# engine has no kernels for their layouts yet, so they run as float weights (said at import)
-DEQUANTIZED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                     "IQ4_XS")
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q1_0": 18}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q1_0": 18,
+                **{t: BLOCKS[k][2] for t, k in GGUF_TYPES.items()}}
 
 
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -90,7 +92,11 @@ def hf_name(name: str, num_layers: int | None = None) -> str | None:
     return f"model.layers.{layer}.{_RENAME[parts[2]]}" if parts[2] in _RENAME else None
 
 
-def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) -> dict:
+def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
+                dequantize: bool = False) -> dict:
+    """The checkpoint folder of a GGUF file (or split set); dequantize: every tensor as fp32
+    through the gguf package's dequantizer (a float checkpoint transformers can load: the
+    reference the quantized import is checked against)."""
     try:
         import gguf
     except ImportError as exc:
@@ -117,7 +123,7 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) ->
                               f"in {tok_src}: pass --tokenizer-from FOLDER (the original model's "
                               "folder)")
     config = _config(meta, readers)
-    tensors, schemes = _tensors(readers, config)
+    tensors, schemes = _tensors(readers, config, dequantize)
     config["quantization"] = _block(schemes)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -132,7 +138,7 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None) ->
     types = Counter(t.tensor_type.name for r in readers for t in r.tensors)
     return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir),
             "tokenizer": "embedded" if embedded is not None else str(tok_src),
-            "dequantized": {k: n for k, n in sorted(types.items()) if k in DEQUANTIZED_TYPES}}
+            "types": dict(sorted(types.items()))}
 
 
 def _write_tokenizer(files: dict, out_dir: Path) -> None:
@@ -199,7 +205,8 @@ def _config(meta: dict, readers) -> dict:
     return cfg
 
 
-def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
+def _tensors(readers, cfg: dict, dequantize: bool = False
+             ) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
     tensors, schemes = {}, {}
     for t in (t for r in readers for t in r.tensors):
         name = hf_name(t.name, cfg["num_hidden_layers"])
@@ -207,7 +214,7 @@ def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Sch
             continue  # unknown extras, the MTP block's own embedding / head copies
         qtype = t.tensor_type.name
         order = _value_head_order(name, cfg)
-        if qtype in _FLOAT_TYPES or qtype in DEQUANTIZED_TYPES:
+        if qtype in _FLOAT_TYPES or (qtype in _SCHEMES and (dequantize or not _is_matrix(name))):
             x = _float(t, name)
             if order is not None:
                 axis, perm = order
@@ -221,20 +228,28 @@ def _tensors(readers, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, Sch
         else:
             raise CheckpointError(
                 f"GGUF tensor '{t.name}' has type {qtype}; supported: "
-                f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES) + DEQUANTIZED_TYPES)}"
+                f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES))}"
             )
     return tensors, schemes
 
 
+def _is_matrix(name: str) -> bool:
+    """A tensor the engine holds as a (possibly quantized) matrix: a Linear or the embedding."""
+    return name.endswith(".weight") and not name.endswith(("norm.weight", "conv1d.weight"))
+
+
 def _float(t, name: str) -> torch.Tensor:
     data = np.asarray(t.data)
-    if t.tensor_type.name in DEQUANTIZED_TYPES:
+    if t.tensor_type.name not in _FLOAT_TYPES:  # a quantized vector or conv: read as floats
         import gguf
 
         try:
             data = gguf.quants.dequantize(data, t.tensor_type)
         except ValueError as exc:  # a block count that does not fit the shape
             raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized") from exc
+        except NotImplementedError as exc:
+            raise CheckpointError(f"the gguf package has no dequantizer for {t.tensor_type.name} "
+                                  f"(tensor '{t.name}')") from exc
     if t.tensor_type.name == "BF16":
         x = torch.from_numpy(data.copy().view(np.int16)).view(torch.bfloat16).float()
     else:
@@ -289,11 +304,40 @@ def _repack(t, qtype: str, order=None) -> dict[str, torch.Tensor]:
     if raw.shape[1] * (_SCHEMES[qtype].group_size) != cols * block:
         raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized")
     blocks = raw.reshape(rows, -1, block)
+    extra = {}
     if order is not None:  # whole rows, or whole blocks along a row
         axis, perm = order
         unit = 1 if axis == 0 else _SCHEMES[qtype].group_size
-        blocks = np.take(blocks, perm(rows if axis == 0 else cols, unit), axis=axis)
+        if axis == 1 and not _whole_blocks(perm, cols, unit):
+            # value heads narrower than a block (dv 128 in 256-wide K-quant blocks): the columns
+            # stay in the file's order and the input is gathered into it (Linear.input_order)
+            extra["input_order"] = torch.from_numpy(np.argsort(perm(cols, 1)).astype(np.int64))
+        else:
+            blocks = np.take(blocks, perm(rows if axis == 0 else cols, unit), axis=axis)
+    scheme = _SCHEMES[qtype]
+    out = _repack_blocks(blocks, scheme, qtype, rows, cols)
+    return {**out, **extra}
+
+
+def _whole_blocks(perm, cols: int, unit: int) -> bool:
+    try:
+        perm(cols, unit)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _repack_blocks(blocks: np.ndarray, scheme: Scheme, qtype: str, rows: int, cols: int
+                   ) -> dict[str, torch.Tensor]:
+    if scheme.is_block():
+        return {"weight": torch.from_numpy(blocks.reshape(rows, -1).copy())}
     d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[..., 0])
+    if qtype == "Q4_1":  # d, m, 16 bytes of nibbles (elements 0-15 low, 16-31 high)
+        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0])
+        qs = blocks[:, :, 4:]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
+        return {"weight": pack_codes(torch.from_numpy(codes.astype(np.int64)), 4), "scales": d,
+                "biases": m}
     qs = blocks[:, :, 2:]
     if qtype == "Q8_0":
         return {"weight": torch.from_numpy(qs.copy().view(np.int8).reshape(rows, cols)), "scales": d}
@@ -307,10 +351,11 @@ def _repack(t, qtype: str, order=None) -> dict[str, torch.Tensor]:
 def _block(schemes: dict[str, Scheme]) -> dict:
     if not schemes:
         return {}
-    main = Counter(schemes.values()).most_common(1)[0][0]
+    main = Counter(s for s in schemes.values() if not s.is_block()).most_common(1)
+    main = main[0][0] if main else Scheme("int8", 8, 32)  # (only a default: every module is named)
     block = {"format": "gguf-import", "kind": main.kind, "bits": main.bits,
              "group_size": main.group_size}
     for name, s in schemes.items():
-        if s != main:
+        if s != main or s.is_block():  # block kinds always by name (quant/loading._named_block)
             block[name] = {"kind": s.kind, "bits": s.bits, "group_size": s.group_size}
     return block

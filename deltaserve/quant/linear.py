@@ -15,6 +15,8 @@ GEMV that reads the packed codes (ops/qgemv.py on CPU, ops/triton_qgemv.py on CU
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,12 +52,34 @@ def quantize_module_(module: nn.Module, scheme: Scheme) -> None:
     del module.weight
     packed = torch.empty(scheme.packed_shape(rows, cols), dtype=scheme.packed_dtype(), device=device)
     module.weight = nn.Parameter(packed, False)
+    module.scheme = scheme
+    module.in_cols = cols
+    if scheme.is_block():  # scales live inside the blocks
+        return
     groups = (rows, cols // scheme.group_size)
     module.scales = nn.Parameter(torch.empty(groups, dtype=torch.float32, device=device), False)
     if scheme.has_biases():
         module.biases = nn.Parameter(torch.empty(groups, dtype=torch.float32, device=device), False)
-    module.scheme = scheme
-    module.in_cols = cols
+
+
+def quantize_parts_(module: nn.Module, names: list[str], schemes: list[Scheme | None]) -> None:
+    """A packed Linear whose parts the checkpoint quantized with different schemes (None: a float
+    part): each part becomes its own Linear, quantized with its scheme (module.segments, loaded by
+    checkpoint name `names[i]`), run in turn and concatenated; the packed weight goes. On meta,
+    as quantize_module_."""
+    from deltaserve.layers.linear import Linear
+
+    device, dtype = module.weight.device, module.weight.dtype
+    segments = nn.ModuleList()
+    with torch.device(device):
+        for name, size, scheme in zip(names, module.out_sizes, schemes, strict=True):
+            segment = Linear(module.in_features, size, dtype)
+            if scheme is not None:
+                quantize_module_(segment, scheme)
+            segment.checkpoint_name = name
+            segments.append(segment)
+    del module.weight
+    module.segments = segments
 
 
 def narrow_scales_(model: nn.Module) -> int:
@@ -65,7 +89,7 @@ def narrow_scales_(model: nn.Module) -> int:
     narrowed. After loading, on every device."""
     count = 0
     for module in model.modules():
-        if not is_quantized(module):
+        if not is_quantized(module) or module.scheme.is_block():
             continue
         names = [n for n in ("scales", "biases") if getattr(module, n, None) is not None]
         tensors = [getattr(module, n).data for n in names]
@@ -101,10 +125,23 @@ def packed(module: nn.Module, rows: slice | torch.Tensor | None = None) -> dict:
             return t.view(torch.int32)[rows].view(torch.uint32)
         return t[rows]
 
-    out = {"weight": sel(module.weight), "scales": sel(module.scales)}
+    out = {"weight": sel(module.weight)}
+    if module.scheme.is_block():
+        return out
+    out["scales"] = sel(module.scales)
     if module.scheme.has_biases():
         out["biases"] = sel(module.biases)
     return out
+
+
+def row_view(module: nn.Module, start: int, end: int) -> SimpleNamespace:
+    """A quantized module restricted to its output rows [start, end): the packed tensors it has
+    (a block layout has no scales) and its scheme, for the kernels that take a module."""
+    view = SimpleNamespace(scheme=module.scheme, in_cols=module.in_cols)
+    for name in ("weight", "scales", "biases"):
+        if getattr(module, name, None) is not None:
+            setattr(view, name, getattr(module, name)[start:end])
+    return view
 
 
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Which modules of a checkpoint are quantized, with which scheme, and the MLX layout fixes.
 
-A module is quantized when the checkpoint holds `<name>.scales` for it (MLX's rule too); the scheme
-comes from config.json's `quantization` block (ours: kind/bits/group_size; MLX: bits/group_size/
-mode, with optional per-module overrides keyed by the module's MLX path).
+A module is quantized when the checkpoint holds `<name>.scales` for it (MLX's rule too), or when
+the `quantization` block names it with a llama.cpp block kind (q4_k, ...: scales inside the
+blocks, quant/ggml_blocks.py); the scheme comes from config.json's `quantization` block (ours:
+kind/bits/group_size; MLX: bits/group_size/mode, with optional per-module overrides keyed by the
+module's MLX path).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 from torch import nn
 
 from deltaserve.errors import CheckpointError
-from deltaserve.quant.linear import quantize_module_
+from deltaserve.quant.ggml_blocks import BLOCKS
+from deltaserve.quant.linear import quantize_module_, quantize_parts_
 from deltaserve.quant.schemes import Scheme
 
 # norms whose checkpoint weight w is used as (1 + w); MLX files store them with the +1 folded in
@@ -62,28 +65,51 @@ def quantize_model_(model: nn.Module, raw: dict[str, Any], index) -> int:
     """Pack every module whose checkpoint tensors are quantized (on meta); returns how many."""
     block, count = quant_block(raw), 0
     for module, names in module_checkpoint_names(model):
-        has = [f"{n}.scales" in index.locations for n in names]
+        has = [f"{n}.scales" in index.locations or _named_block(block, n) for n in names]
         if not any(has):
             continue
-        if not all(has):
-            raise CheckpointError(f"only some of {names} are quantized; they share one weight")
         if block is None:
             raise CheckpointError(
                 f"'{names[0]}' is quantized but config.json has no quantization block"
             )
-        schemes = {scheme_from(block, n) for n in names}
-        if len(schemes) > 1:
-            raise CheckpointError(f"{names} are quantized differently; they share one weight")
-        scheme = schemes.pop()
-        for n in names:
-            _check_layout(index, n, scheme)
-        quantize_module_(module, scheme)
+        schemes = [scheme_from(block, n) if q else None for n, q in zip(names, has, strict=True)]
+        for n, scheme in zip(names, schemes, strict=True):
+            if scheme is not None:
+                _check_layout(index, n, scheme, module.weight.shape[-1])
+        if len(set(schemes)) > 1:  # a GGUF mix (Q4_K_M: v in Q6_K; F32 parts): a Linear per part
+            quantize_parts_(module, names, schemes)
+        else:
+            quantize_module_(module, schemes[0])
+        if len(names) == 1 and f"{names[0]}.input_order" in index.locations:
+            cols = module.in_cols
+            module.input_order = nn.Parameter(torch.empty(cols, dtype=torch.int64,
+                                                          device=module.weight.device), False)
         count += 1
     return count
 
 
-def _check_layout(index, name: str, scheme: Scheme) -> None:
+def quantized_scheme(block: dict[str, Any], index, name: str) -> Scheme | None:
+    """The scheme of checkpoint module `name` if the checkpoint holds it quantized, else None."""
+    if f"{name}.scales" in index.locations or _named_block(block, name):
+        return scheme_from(block, name)
+    return None
+
+
+def _named_block(block: dict[str, Any] | None, name: str) -> bool:
+    """The block names this module itself with a llama.cpp block kind (never by default: a float
+    module has no tensor that would tell it apart)."""
+    override = (block or {}).get(name)
+    return isinstance(override, dict) and override.get("kind") in BLOCKS
+
+
+def _check_layout(index, name: str, scheme: Scheme, cols: int) -> None:
     wshape, wdtype = index.meta(f"{name}.weight")
+    if scheme.is_block():
+        if cols % scheme.group_size or tuple(wshape[1:]) != scheme.packed_shape(1, cols)[1:] \
+                or wdtype != scheme.packed_dtype():
+            raise CheckpointError(f"'{name}': {list(wshape)} {wdtype} is not {cols} inputs in "
+                                  f"{scheme.kind} blocks")
+        return
     sshape, _ = index.meta(f"{name}.scales")
     if len(wshape) != 2 or len(sshape) != 2 or wshape[0] != sshape[0]:
         raise CheckpointError(f"'{name}': packed weight {wshape} and scales {sshape} do not match")

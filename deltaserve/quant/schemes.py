@@ -5,6 +5,8 @@ Groups run along the input (last) axis. Layouts (docs/formats.md):
   affine  w = s * q + b, q unsigned `bits`-bit codes packed low-bits-first into little-endian
           uint32 words [N, K * bits / 32] (ours int4 = MLX 4-bit; MLX 8-bit; GGUF Q4_0 mapped here)
   q1      w = s * (2b - 1), bits packed LSB-first into uint8 [N, K / 8] (GGUF Q1_0 semantics)
+  q4_k, q6_k, iq4_xs, ...  llama.cpp's blocks as the file holds them, uint8 [N, K / QK * bytes],
+          scales inside each block (quant/ggml_blocks.py: the table and the reference decoders)
 Scales/biases keep the file's float dtype; dequantization computes in fp32.
 
 The affine encoder searches each group's (scale, bias) for the least squared error (after llama.cpp's
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.errors import CheckpointError
+from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
 
-KINDS = ("int8", "affine", "q1")
+KINDS = ("int8", "affine", "q1", *BLOCKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,11 @@ class Scheme:
 
     def __post_init__(self) -> None:
         ok = {"int8": (8,), "affine": (2, 3, 4, 5, 6, 8), "q1": (1,)}
+        if self.kind in BLOCKS:  # a block layout: its own block size and nominal bits
+            _, qk, _, bits = BLOCKS[self.kind]
+            if (self.bits, self.group_size) != (bits, qk):
+                raise CheckpointError(f"{self.kind} blocks are {bits}-bit in groups of {qk}")
+            return
         if self.kind not in ok or self.bits not in ok[self.kind]:
             raise CheckpointError(f"unsupported quantization {self.kind} with {self.bits} bits")
         if self.group_size < 8 or self.group_size % 8:
@@ -40,6 +48,8 @@ class Scheme:
             raise CheckpointError(f"affine {self.bits}-bit codes do not pack into uint32 words")
 
     def packed_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        if self.is_block():
+            return rows, cols // self.group_size * BLOCKS[self.kind][2]
         if self.kind == "int8":
             return rows, cols
         if self.kind == "q1":
@@ -47,10 +57,14 @@ class Scheme:
         return rows, cols * self.bits // 32
 
     def packed_dtype(self) -> torch.dtype:
-        return {"int8": torch.int8, "q1": torch.uint8, "affine": torch.uint32}[self.kind]
+        return {"int8": torch.int8, "affine": torch.uint32}.get(self.kind, torch.uint8)
 
     def has_biases(self) -> bool:
         return self.kind == "affine"
+
+    def is_block(self) -> bool:
+        """A llama.cpp block layout: scales inside the blocks, no `scales` / `biases` tensors."""
+        return self.kind in BLOCKS
 
     def check_cols(self, cols: int, name: str) -> None:
         if cols % self.group_size:
@@ -71,6 +85,9 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
     affine groups take their min/max range (MLX's encoder) instead of the least-squares search;
     importance [K] (quant/calibrate.py) weighs each column's squared error in that search."""
     rows, cols = w.shape
+    if s.is_block():
+        raise CheckpointError(f"{s.kind} blocks come from llama.cpp's quantizer; deltaserve reads "
+                              "them but does not encode them")
     s.check_cols(cols, "weight")
     g = w.float().reshape(rows, cols // s.group_size, s.group_size)
     if s.kind == "int8":
@@ -177,6 +194,8 @@ def affine_fit(g: torch.Tensor, levels: int, scale_dtype: torch.dtype, imp=None)
 
 def dequantize(t: dict, s: Scheme, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """{"weight", "scales"[, "biases"]} (any leading rows) -> w [N, K] in `dtype`, computed in fp32."""
+    if s.is_block():
+        return dequantize_blocks(t["weight"], s.kind, dtype)
     scales = t["scales"].float()
     rows, num_groups = scales.shape
     if s.kind == "int8":

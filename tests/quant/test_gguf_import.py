@@ -21,6 +21,9 @@ from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.cli import main
 from deltaserve.errors import CheckpointError
 from deltaserve.quant.gguf_import import import_gguf
+from deltaserve.quant.linear import packed
+from deltaserve.quant.loading import module_checkpoint_names
+from deltaserve.quant.schemes import dequantize
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -97,7 +100,8 @@ def head_order(name: str, cfg: dict):
 
 def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=None):
     """A checkpoint folder as a qwen35 GGUF by llama.cpp's conversion rules (a split set of files
-    of at most split_max_tensors tensors each, if given; extra(writer) adds keys); returns
+    of at most split_max_tensors tensors each, if given; extra(writer) adds keys; qtype may be a
+    function of the GGUF tensor name); returns
     {hf name: the values the file encodes, in HF layout}."""
     cfg = __import__("json").loads((src / "config.json").read_text())
     hf = load_file(str(src / "model.safetensors"))
@@ -161,6 +165,7 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
             else:
                 gname = f"blk.{layer}.{RENAME[mod]}.{leaf}"
         kind = embed_qtype if gname == "token_embd.weight" else qtype
+        kind = kind(gname) if callable(kind) else kind  # a per-tensor mix, as Q4_K_M files are
         block, size = gguf.GGML_QUANT_SIZES[kind]
         if x.ndim == 2 and x.shape[1] % block:
             kind = Q.F32  # as llama-quantize falls back for rows its blocks do not fill
@@ -275,18 +280,59 @@ def test_more_value_heads_than_key_heads_untied_head(tmp_path, qtype) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                    "IQ4_NL", "IQ4_XS"])
-def test_types_read_through_the_reference_dequantizer(tmp_path, qtype) -> None:
-    """Each type the engine has no kernel for yet: the imported float weights are exactly the
-    gguf package's dequantized values (Hv = 2 Hk, so the head order applies to them too)."""
+def test_every_type_is_held_quantized_with_the_files_values(tmp_path, qtype) -> None:
+    """Each type is kept quantized (Q4_1 repacked into 4-bit affine, the rest as the file's own
+    blocks): every weight it decodes to is exactly the gguf package's dequantized value (Hv = 2
+    Hk, so the head order applies to the blocks too), the model's weights take about the file's
+    bytes, and its logits match the reference's."""
     from tests.conftest import write_variant
 
     src = write_variant(tmp_path / "hf", 5, hidden_size=256, intermediate_size=512,
                         vocab_size=1024)
     ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[qtype])
     report = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
-    assert report["dequantized"][qtype] > 10
-    imported = load_file(str(tmp_path / "imported" / "model.safetensors"))
-    for name, want in ref.items():
-        if name in imported and want.ndim == 2:  # the quantized weights (A_log goes through exp)
-            assert torch.equal(imported[name].float(), want.float()), name
+    assert report["types"][qtype] > 10
+    llm = LLM(tmp_path / "imported", dtype="float32")
+    checked = 0
+    for module, names in module_checkpoint_names(llm.model):
+        parts = getattr(module, "segments", None) or [module]
+        if getattr(parts[0], "scheme", None) is None:
+            continue
+        got = torch.cat([dequantize(packed(p), p.scheme) for p in parts])
+        want = torch.cat([ref[f"{n}.weight"].float() for n in names])
+        assert torch.equal(got, want), names
+        assert (parts[0].scheme.kind == "affine") == (qtype == "Q4_1")
+        checked += 1
+    assert checked >= 5 * 4
+    held = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values()
+               if t.dtype in (torch.uint8, torch.uint32, torch.float16))
+    assert held <= 1.10 * (tmp_path / "m.gguf").stat().st_size
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
+
+
+def q4_k_m_like(gname: str):
+    """A per-tensor mix as llama-quantize's Q4_K_M writes (v and down in Q6_K, the rest Q4_K),
+    with one part of the packed GDN in-projection left F32."""
+    if gname.endswith(("attn_v.weight", "ffn_down.weight")):
+        return Q.Q6_K
+    return Q.F32 if gname.endswith("ssm_alpha.weight") else Q.Q4_K
+
+
+def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path) -> None:
+    """A Q4_K_M-like mix on a model whose value heads (128 wide, Hv = 2 Hk) are narrower than a
+    K-quant block: packed Linears whose parts differ run one Linear per part, the GDN out-projection
+    keeps the file's column order and gathers its input into it; logits as the reference's."""
+    from tests.conftest import write_variant
+
+    src = write_variant(tmp_path / "hf", 6, hidden_size=256, intermediate_size=512,
+                        vocab_size=1024, linear_value_head_dim=128, linear_key_head_dim=64)
+    ref = write_gguf(src, tmp_path / "m.gguf", q4_k_m_like, Q.Q4_K)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
+    llm = LLM(tmp_path / "imported", dtype="float32")
+    layer = llm.model.model.layers[0].linear_attn
+    assert layer.out_proj.input_order is not None and layer.out_proj.scheme.kind == "q4_k"
+    assert [getattr(p, "scheme", None) and p.scheme.kind for p in layer.in_proj.segments] == \
+        ["q4_k", "q4_k", "q4_k", None]
+    attn = llm.model.model.layers[3].self_attn
+    assert [p.scheme.kind for p in attn.qkv_proj.segments] == ["q4_k", "q4_k", "q6_k"]
     assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
