@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
-from deltaserve.engine.processors import Processor, apply, grammar_masks
+from deltaserve.engine.processors import NO_TOKEN, Processor, Staging, process
 from deltaserve.engine.request import ImageInputs, Request, Status
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
@@ -24,10 +24,6 @@ from deltaserve.engine.stopping import StopChecker
 from deltaserve.errors import RequestError
 from deltaserve.spec.config import SpeculativeConfig
 from deltaserve.tokenizer import StreamDecoder
-
-# a processed request's row with every token masked (its stop_reason; the server's 400)
-NO_TOKEN = ("no token is allowed (allowed_token_ids, bad_words, min_tokens, logit_bias and the "
-            "grammar together left none)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +90,7 @@ class Engine:
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
         self._grammars = None  # structured/grammar.Grammars, built for the first constraint
         self._why: dict[str, str] = {}  # why a processed request failed (its stop_reason)
+        self._staging = None  # processors.Staging: processing planned on the host, on first use
 
     @property
     def grammars(self):
@@ -216,15 +213,19 @@ class Engine:
         if not plan.is_empty and overlap.can_overlap(self, plan, pending):
             ahead = overlap.launch(self, plan, pending)
         outs = overlap.resolve(self, pending) if pending is not None else []
+        if ahead is not None and ahead.logits is not None:  # processed rows: their tokens now
+            overlap.finish(self, ahead)
         if ahead is None and not plan.is_empty:
             plan = overlap.patched(self, plan) if pending is not None else plan
             outs += self._run(plan) if plan.chunks else []
         self._pending = ahead
         return outs
 
-    def fail(self, rid: str) -> StepOutput:
+    def fail(self, rid: str, why: str | None = None) -> StepOutput:
         """Non-finite logits: the request ends with an error (never NaN text), its slot and blocks
         go back, and its state never entered the prefix cache (the runner saw to that)."""
+        if why is not None:
+            self._why[rid] = why
         self.scheduler.abort(rid)
         self._live.pop(rid, None)
         if self.spec is not None:
@@ -278,12 +279,16 @@ class Engine:
     def _processed(self, logits: StepLogits, rids: list[str]) -> dict[str, torch.Tensor]:
         """The processed rows (fp32 copies) of the requests with logits processing; grammar
         masks are filled first, on the host, while a GPU may still be computing the logits."""
-        procs = [self._live[rid].proc for rid in rids]
-        device = logits.tensor.device
-        masks = grammar_masks(procs, self._grammars, device) if self._grammars else None
-        index = torch.tensor([logits.rows[rid] for rid in rids], device=device)
-        rows = apply(logits.tensor.index_select(0, index).float(), procs, masks=masks)
+        rows, _ = self.process_rows(logits.tensor, [logits.rows[rid] for rid in rids],
+                                    [self._live[rid].proc for rid in rids])
         return dict(zip(rids, rows, strict=True))
+
+    def process_rows(self, table: torch.Tensor, rows: list[int],
+                     procs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """processors.process with the engine's grammars and staging buffers."""
+        if self._staging is None:
+            self._staging = Staging(pin=table.device.type == "cuda")
+        return process(table, rows, procs, self._grammars, self._staging)
 
     def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:
         """For requests that asked: log_softmax of their raw logits rows, the sampled token's

@@ -10,8 +10,13 @@ device-to-host copy, waited for by an event) reads the tokens back into the requ
 and emits them. A request that stops at step k was already launched
 into step k+1: that row's work is discarded (the request is retired before it resolves), the only
 cost of overlapping. Only steps whose every row decodes greedily without logprobs are launched
-early; anything else (prefill chunks, sampling, logprobs, logits processing) runs at once after
-the pending step resolves, so outputs are exactly those of the plain engine, one call later.
+early; anything else (prefill chunks, sampling, logprobs) runs at once after the pending step
+resolves, so outputs are exactly those of the plain engine, one call later.
+
+Rows with logits processing (penalties, grammars) need the previous token on the host: a step
+with such rows launches its forward only, the pending step resolves (its tokens accepted by the
+grammars and counts), and then `finish` plans the processing on the host — while the GPU runs the
+forward — and queues the processed pick and the copy back.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from deltaserve.engine.processors import NO_TOKEN
 from deltaserve.engine.scheduler import StepPlan
 
 
@@ -28,11 +34,15 @@ class InFlight:
     """A launched step whose tokens are still on the device."""
 
     rows: dict[str, tuple[int, int]]  # request -> (row of `tokens`, its index among the outputs)
-    tokens: torch.Tensor  # [rows] int64 on the device (an own copy: graph outputs get reused)
-    host: torch.Tensor  # [rows (+ chunks)] int64, pinned on CUDA: tokens (+ finite flags)
+    tokens: torch.Tensor | None  # [rows] int64 on the device (an own copy: graph outputs get reused)
+    host: torch.Tensor | None  # [rows (+ chunks + processed)] int64, pinned on CUDA: tokens (+
+    # finite flags, + each processed row's "a token was allowed")
     event: torch.cuda.Event | None  # recorded after the copy into `host`
     chunk_rids: list[str]  # the finite flags' order (None when the greedy head made tokens)
     has_flags: bool
+    which: int = 0  # the host buffer it takes
+    logits: object = None  # step.StepLogits until `finish` picks the processed rows' tokens
+    processed: tuple[str, ...] = ()  # requests whose rows were processed, in the flags' order
 
 
 def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
@@ -42,8 +52,7 @@ def can_overlap(engine, plan: StepPlan, pending: InFlight | None) -> bool:
         if len(c.token_ids) != 1 or not c.sample:
             return False
         live = engine.live(c.request_id)
-        if live is None or not live.params.greedy or live.params.logprobs is not None \
-                or live.proc is not None:  # processing reads the previous token on the host
+        if live is None or not live.params.greedy or live.params.logprobs is not None:
             return False
         if c.num_unread and (pending is None or c.request_id not in pending.rows):
             return False
@@ -60,25 +69,61 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
     if dst:
         feed = (pending.tokens, dst, [pending.rows[plan.chunks[i].request_id][0] for i in dst])
     logits = engine.runner.execute(plan, {}, feed)
+    which = engine.num_steps % 2
+    if any(engine.live(c.request_id).proc is not None for c in plan.chunks):
+        flight = InFlight(_rows(engine, plan, logits), None, None, None, list(logits.chunk_rids),
+                          True, which, logits)
+        engine.num_steps += 1
+        return flight
     if logits.are_tokens:  # the greedy head's tokens: a static graph buffer, copied out
         tokens, flags = logits.tensor.clone(), None
     else:
         tokens, flags = logits.tensor.argmax(-1), logits.finite_flags()
     both = tokens if flags is None else torch.cat([tokens, flags.long()])
-    cuda = both.device.type == "cuda"
-    host = _host_buffer(engine, engine.num_steps % 2, both.numel(), cuda)
-    host.copy_(both, non_blocking=cuda)
-    event = None
-    if cuda:
-        event = torch.cuda.Event()
-        event.record()
+    host, event = _copy_back(engine, which, both)
+    rows = _rows(engine, plan, logits)
+    engine.num_steps += 1
+    return InFlight(rows, tokens, host, event, list(logits.chunk_rids), flags is not None, which)
+
+
+def finish(engine, flight: InFlight) -> None:
+    """The processed rows' tokens of a launched step, once the step before it resolved: each
+    live processed row processed (processors.process: host planning while the forward runs),
+    its argmax written over the raw row's in the step's tokens, and everything copied back."""
+    logits, flight.logits = flight.logits, None
+    tokens = logits.tensor.argmax(-1)
+    parts = [tokens, logits.finite_flags().long()]
+    rids = [rid for rid in logits.rows
+            if engine.live(rid) is not None and engine.live(rid).proc is not None]
+    if rids:
+        rows, index = engine.process_rows(logits.tensor, [logits.rows[rid] for rid in rids],
+                                          [engine.live(rid).proc for rid in rids])
+        tokens.index_copy_(0, index.long(), rows.argmax(-1))
+        parts.append(torch.isfinite(rows.amax(-1)).long())  # all -inf: no token was allowed
+    flight.tokens, flight.processed = tokens, tuple(rids)
+    flight.host, flight.event = _copy_back(engine, flight.which, torch.cat(parts))
+
+
+def _rows(engine, plan: StepPlan, logits) -> dict[str, tuple[int, int]]:
+    """Each request's (row, index among its outputs); the scheduler advances with placeholders."""
     engine.scheduler.update(plan, None)  # each request gets an unread token
     rows = {}
     for rid, row in logits.rows.items():
         req = engine.scheduler.get(rid)
         rows[rid] = (row, len(req.output_ids) + req.num_unread - 1)
-    engine.num_steps += 1
-    return InFlight(rows, tokens, host, event, list(logits.chunk_rids), flags is not None)
+    return rows
+
+
+def _copy_back(engine, which: int, both: torch.Tensor):
+    """(host copy of both, the event recorded after it on CUDA, else None)."""
+    cuda = both.device.type == "cuda"
+    host = _host_buffer(engine, which, both.numel(), cuda)
+    host.copy_(both, non_blocking=cuda)
+    event = None
+    if cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
 
 
 def _host_buffer(engine, which: int, numel: int, pinned: bool) -> torch.Tensor:
@@ -97,16 +142,22 @@ def resolve(engine, pending: InFlight) -> list:
     if pending.event is not None:
         pending.event.synchronize()
     values = pending.host.tolist()
-    num = len(values) - (len(pending.chunk_rids) if pending.has_flags else 0)
-    failed = set()
-    if pending.has_flags:
-        failed = {rid for rid, ok in zip(pending.chunk_rids, values[num:], strict=True) if not ok}
+    num_flags = len(pending.chunk_rids) if pending.has_flags else 0
+    num = len(values) - num_flags - len(pending.processed)
+    failed = {rid: None for rid, ok in zip(pending.chunk_rids, values[num:num + num_flags],
+                                           strict=True) if not ok}
+    for rid, ok in zip(pending.processed, values[num + num_flags:], strict=True):
+        if not ok:
+            failed.setdefault(rid, NO_TOKEN)
     outs = []
     for rid, (row, index) in pending.rows.items():
-        if engine.live(rid) is None:  # stopped or aborted since the launch: discarded
+        live = engine.live(rid)
+        if live is None:  # stopped or aborted since the launch: discarded
             continue
+        if rid not in failed and live.proc is not None and not live.proc.accept(values[row]):
+            failed[rid] = "the grammar refused the sampled token"
         if rid in failed:
-            outs.append(engine.fail(rid))
+            outs.append(engine.fail(rid, failed[rid]))
             continue
         engine.scheduler.read_back(rid, values[row])
         outs.append(engine.emit(rid, values[row], None, index + 1))

@@ -3,7 +3,7 @@ to the step's processed rows together (rows [P, V] fp32, a copy: free rows are n
 
 Order (vLLM's): allowed_token_ids, bad_words, min_tokens, logit_bias, then the penalties
 (repetition over prompt and output tokens, then frequency and presence over output tokens), then
-the grammar mask. The formulas:
+the grammar mask (applied first, which changes no value: ops/processing.py). The formulas:
   repetition r:  x / r where x > 0, x * r otherwise, for tokens seen in the prompt or output
   frequency f:   x - f * count(output)        presence p:  x - p * (count(output) > 0)
 With thinking, the grammar starts after the reasoning block closes (its closing token is the last
@@ -12,10 +12,16 @@ one the grammar does not see).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import RequestError
+from deltaserve.ops.processing import mask_rows, penalize
+
+# a processed request's row with every token masked (its stop_reason; the server's 400)
+NO_TOKEN = ("no token is allowed (allowed_token_ids, bad_words, min_tokens, logit_bias and the "
+            "grammar together left none)")
 
 
 class Processor:
@@ -62,11 +68,11 @@ class Processor:
                     _last(prompt_ids, opened) > _last(prompt_ids, closed):
                 self.waiting_for = closed
 
-    def repeated_ids(self) -> torch.Tensor:
-        """The repetition penalty's tokens (prompt and output) as a long tensor on the host: a
-        long prompt's set is turned into a tensor once, not every step."""
+    def repeated_ids(self) -> np.ndarray:
+        """The repetition penalty's tokens (prompt and output), sorted, int64: a long prompt's
+        set is turned into an array once, not every step."""
         if self._repeated_ids is None:
-            self._repeated_ids = torch.tensor(sorted(self.repeated), dtype=torch.long)
+            self._repeated_ids = np.array(sorted(self.repeated), np.int64)
         return self._repeated_ids
 
     @property
@@ -93,28 +99,86 @@ class Processor:
         return self.matcher.is_terminated() or self.matcher.accept_token(token)
 
 
-def grammar_masks(procs: list[Processor], grammars, device: torch.device):
-    """(indices of the constrained rows, their bitmask [K, ceil(V/32)] int32 on the host) or
-    None. Host work only: the engine calls it before anything waits for the step's logits, so
-    on a GPU the masks are filled while the forward runs."""
-    constrained = [i for i, proc in enumerate(procs) if proc.constrained]
-    if not constrained:
-        return None
-    mask = grammars.bitmask(len(constrained), pin=device.type == "cuda")
-    for k, i in enumerate(constrained):
-        if not procs[i].matcher.is_terminated():
-            procs[i].matcher.fill_next_token_bitmask(mask, k)
-        else:  # the grammar is complete: only a stop token may follow
-            mask[k] = 0
-            _allow(mask[k], procs[i].stop_list)
-    return constrained, mask
+class Staging:
+    """Where a step's processing is planned on the host: one int32 buffer (pinned on CUDA) holding
+    the row indices, the grammar masks and the penalties' edits, copied to the device in one
+    transfer. Two buffers alternate: the copy of step k is done before step k+2 refills its
+    buffer (the engine has read step k's tokens back by then)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin, self.bufs, self.turn = pin, [None, None], 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        self.turn ^= 1
+        buf = self.bufs[self.turn]
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1 << 16), dtype=torch.int32, pin_memory=self.pin)
+            self.bufs[self.turn] = buf
+        return buf[:numel]
 
 
-def apply(rows: torch.Tensor, procs: list[Processor], grammars=None, masks=None) -> torch.Tensor:
-    """rows [P, V] fp32 (row i is procs[i]'s logits; changed in place) -> rows. masks: from
-    grammar_masks (filled here when not given)."""
-    if masks is None and grammars is not None:
-        masks = grammar_masks(procs, grammars, rows.device)
+def process(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars=None,
+            staging: Staging | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the processed rows [P,V] fp32 of the logits table [R,V], rows as an int32 tensor [P] on
+    the table's device): row p is table[rows[p]] as procs[p] changes it (table untouched). The
+    host plans first (grammar masks filled, the penalties' edits listed), before anything waits
+    for the table, so on a GPU that work runs while the step's forward does; then one copy and
+    two kernels (ops/processing.py)."""
+    vocab = table.shape[-1]
+    num = len(rows)
+    if num * vocab >= 2**31:
+        raise RuntimeError(f"{num} processed rows of {vocab} logits overflow int32 indices")
+    words_n = (vocab + 31) // 32
+    constrained = [p for p, proc in enumerate(procs) if proc.constrained]
+    edits = [_edits(proc) for proc in procs]
+    num_edits = sum(len(e[0]) for e in edits)
+    size = 2 * num + len(constrained) * words_n + 3 * num_edits
+    buf = (staging or Staging(False)).take(size)
+    host = buf.numpy()
+    host[:num] = rows
+    host[num:2 * num] = -1
+    host[num + np.array(constrained, np.int64)] = np.arange(len(constrained))
+    words = buf[2 * num: 2 * num + len(constrained) * words_n].view(len(constrained), words_n)
+    if constrained:
+        _fill_masks([procs[p] for p in constrained], words, grammars)
+    at = 2 * num + len(constrained) * words_n
+    floats = host.view(np.float32)
+    for p, (ids, r, c) in enumerate(edits):
+        n = len(ids)
+        host[at: at + n] = ids + p * vocab
+        floats[at + num_edits: at + num_edits + n] = r
+        floats[at + 2 * num_edits: at + 2 * num_edits + n] = c
+        at += n
+    dev = buf.to(table.device, non_blocking=True) if table.device.type != "cpu" else buf
+    base = 2 * num + len(constrained) * words_n
+    out = mask_rows(table, dev[:num], dev[num:2 * num],
+                    dev[2 * num: base].view(len(constrained), words_n))
+    _per_row(out, procs)
+    penalize(out, dev[base: base + num_edits],
+             dev[base + num_edits: base + 2 * num_edits].view(torch.float32),
+             dev[base + 2 * num_edits: base + 3 * num_edits].view(torch.float32))
+    return out, dev[:num]
+
+
+def apply(rows: torch.Tensor, procs: list[Processor], grammars=None) -> torch.Tensor:
+    """rows [P,V] (row i is procs[i]'s logits) -> the processed rows [P,V] fp32 (a copy)."""
+    return process(rows, list(range(rows.shape[0])), procs, grammars)[0]
+
+
+def _fill_masks(procs: list[Processor], words: torch.Tensor, grammars) -> None:
+    """Each constrained row's allowed tokens into words [K,W]: its matcher's next-token bitmask
+    (several matchers filled on xgrammar's threads), or only the stop tokens once the grammar is
+    complete."""
+    live = [k for k, proc in enumerate(procs) if not proc.matcher.is_terminated()]
+    grammars.fill([procs[k].matcher for k in live], words, live)
+    for k, proc in enumerate(procs):
+        if proc.matcher.is_terminated():
+            words[k] = 0
+            _allow(words[k], proc.stop_list)
+
+
+def _per_row(rows: torch.Tensor, procs: list[Processor]) -> None:
+    """allowed_token_ids, bad words, min_tokens and logit_bias: rarely used, row by row."""
     neg = float("-inf")
     for i, proc in enumerate(procs):
         row = rows[i]
@@ -127,62 +191,30 @@ def apply(rows: torch.Tensor, procs: list[Processor], grammars=None, masks=None)
             row.index_fill_(0, proc.stop_ids, neg)
         if proc.bias is not None:
             row.index_add_(0, proc.bias[0], proc.bias[1])
-    _penalize(rows, procs)
-    if masks is not None:  # last, as vLLM: a masked logit stays -inf under every step above
-        apply_bitmask(rows, masks[1], masks[0])
-    return rows
 
 
-_BITS: dict[torch.device, torch.Tensor] = {}
-
-
-def apply_bitmask(rows: torch.Tensor, mask: torch.Tensor, indices: list[int]) -> None:
-    """rows[indices[k]] = -inf where bit t of mask[k] is 0 (bit t % 32 of word t // 32): what
-    xgrammar's apply_token_bitmask_inplace does, as plain tensor ops on any device (its CPU
-    kernel took 0.95 ms a row on the 248k vocabulary, these 0.12 ms; nothing to compile on a
-    GPU). mask: [K, ceil(V/32)] int32 on the host."""
-    vocab = rows.shape[-1]
-    if rows.device not in _BITS:
-        _BITS[rows.device] = torch.arange(32, dtype=torch.int32, device=rows.device)
-    words = mask.to(rows.device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> _BITS[rows.device]) & 1).bool().flatten(1)[:, :vocab]
-    if indices == list(range(rows.shape[0])):
-        rows.masked_fill_(~allowed, float("-inf"))
-        return
-    index = torch.tensor(indices, device=rows.device)
-    rows.index_copy_(0, index, rows.index_select(0, index).masked_fill_(~allowed, float("-inf")))
-
-
-def _penalize(rows: torch.Tensor, procs: list[Processor]) -> None:
-    """The three penalties on the tokens each row has seen, as a few gathers and scatters over
-    the flattened rows (the formulas leave the other tokens' logits as they are)."""
-    vocab = rows.shape[-1]
-    rep_at, rep_by, out_at, out_count, freq, pres = [], [], [], [], [], []
-    for i, proc in enumerate(procs):
-        p = proc.params
-        if proc.repeated:
-            ids = proc.repeated_ids()
-            rep_at.append(ids + i * vocab)
-            rep_by.append(torch.full(ids.shape, p.repetition_penalty))
-        if proc.counts and (p.frequency_penalty or p.presence_penalty):
-            out_at += [i * vocab + t for t in proc.counts]
-            out_count += list(proc.counts.values())
-            freq += [p.frequency_penalty] * len(proc.counts)
-            pres += [p.presence_penalty] * len(proc.counts)
-    flat = rows.view(-1)
-
-    def tensor(xs: list, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(xs, dtype=dtype).to(rows.device, non_blocking=True)
-
-    if rep_at:
-        at = torch.cat(rep_at).to(rows.device, non_blocking=True)
-        by = torch.cat(rep_by).to(rows.device, non_blocking=True)
-        x = flat[at]
-        flat[at] = torch.where(x > 0, x / by, x * by)
-    if out_at:
-        at = tensor(out_at, torch.long)
-        x = flat[at] - tensor(freq) * tensor(out_count)
-        flat[at] = x - tensor(pres)
+def _edits(proc: Processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The penalties of one row as edits (token ids [E], repetition factor r [E], subtrahend c
+    [E] fp32): x -> where(x > 0, x / r, x * r) - c. Every output token is in the repetition set,
+    so with repetition on its ids cover the counted ones."""
+    p = proc.params
+    empty = np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
+    counted = proc.counts if proc.counts and (p.frequency_penalty or p.presence_penalty) else None
+    if proc.repeated:
+        ids = proc.repeated_ids()
+        r = np.full(len(ids), p.repetition_penalty, np.float32)
+    elif counted:
+        ids = np.fromiter(counted, np.int64, len(counted))
+        r = np.ones(len(ids), np.float32)
+    else:
+        return empty
+    c = np.zeros(len(ids), np.float32)
+    if counted:
+        keys = np.fromiter(counted, np.int64, len(counted))
+        n = np.fromiter(counted.values(), np.float32, len(counted))
+        at = np.searchsorted(ids, keys) if proc.repeated else np.arange(len(keys))
+        c[at] = np.float32(p.frequency_penalty) * n + np.float32(p.presence_penalty)
+    return ids, r, c
 
 
 def _allow(mask_row: torch.Tensor, tokens: list[int]) -> None:

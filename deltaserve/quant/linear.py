@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
-from deltaserve.ops import dispatch, triton_qgemm, triton_qgemv
+from deltaserve.ops import dispatch, triton_blocks, triton_qgemm, triton_qgemv
 from deltaserve.ops.dispatch import REFERENCE, Case, Op, case, rows_of
 from deltaserve.ops.qgemv import dequantize_into, qgemm_max_rows, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
@@ -199,6 +199,8 @@ def _quant_triton_qgemm(x, module, prologue):
 
 
 def _qgemv_why_not(c: Case) -> str | None:
+    if c.shape[0].is_block():
+        return "GGUF block kinds have no Triton GEMV: their blocks are decoded by torch"
     return _triton_why_not(c, c.shape[3], f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows",
                            triton_qgemv)
 
@@ -218,6 +220,21 @@ def _per_row(gemv, flat: torch.Tensor, p: dict, scheme) -> torch.Tensor:
     if flat.shape[0] == 1:
         return gemv(flat, p, scheme)
     return torch.cat([gemv(flat[r : r + 1], p, scheme) for r in range(flat.shape[0])])
+
+
+def _blocks_why_not(c: Case) -> str | None:
+    if c.shape[0].kind not in triton_blocks.KINDS:
+        return f"not a block kind with a Triton GEMV ({', '.join(triton_blocks.KINDS)})"
+    return _triton_why_not(c, c.shape[3], f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows",
+                           triton_blocks)
+
+
+@QUANT_LINEAR.register("triton_blocks", 36, _blocks_why_not)
+def _quant_triton_blocks(x, module, prologue):
+    """GGUF K-quant / IQ4_XS blocks read as they are (ops/triton_blocks.py), row by row."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = triton_blocks.gemv_blocks_cuda(flat, module.weight, module.scheme.kind)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 @QUANT_LINEAR.register("packed_gemv", 30, lambda c: None if c.device == "cpu"

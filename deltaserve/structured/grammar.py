@@ -24,6 +24,7 @@ CACHE_ENTRIES = 256  # compiled grammars kept (xgrammar keeps its own byte-bound
 # free whitespace in JSON is bounded per gap (llama.cpp's schema grammars allow 20 as well): a
 # model cannot spend its whole budget on spaces, and indented output still fits
 MAX_JSON_WHITESPACE = 20
+BATCH_FILL_FROM = 4  # constrained rows from which masks are filled on xgrammar's threads
 
 
 class Grammars:
@@ -33,6 +34,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._compiler = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher (its thread pool), on first use
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()  # compiles may come from the server's worker threads
 
@@ -75,11 +77,19 @@ class Grammars:
 
         return xgr.GrammarMatcher(self.compile(params))
 
-    def bitmask(self, rows: int, pin: bool = False) -> torch.Tensor:
-        """[rows, ceil(V/32)] int32 on the host, every token allowed (pinned: copied to a GPU
-        without waiting for its stream)."""
-        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                          pin_memory=pin)
+    def fill(self, matchers: list, words: torch.Tensor, rows: list[int]) -> None:
+        """Each matcher's next-token bitmask into words[rows[i]] ([K, ceil(V/32)] int32 on the
+        host); several on xgrammar's threads (a mask takes ~4 us to 0.2 ms on the 248k vocabulary:
+        the threads pay from a few rows on)."""
+        import xgrammar as xgr
+
+        if len(matchers) < BATCH_FILL_FROM:
+            for matcher, row in zip(matchers, rows, strict=True):
+                matcher.fill_next_token_bitmask(words, row)
+            return
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask(matchers, words, rows)
 
 
 def _compile(compiler, params: StructuredOutputsParams):

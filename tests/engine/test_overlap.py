@@ -150,3 +150,43 @@ def test_unread_tokens_are_counted_never_written_as_ids(tiny_llm) -> None:
             assert req.num_tokens == len(req.prompt_ids) + len(req.output_ids) + req.num_unread
             seen_unread = max(seen_unread, req.num_unread)
     assert seen_unread >= 1  # the steps really ran ahead
+
+
+def test_processed_requests_run_ahead_with_the_plain_engines_tokens(tiny_llm) -> None:
+    """Penalties, biases, bans, min_tokens, a regex and a choice grammar beside free requests:
+    the steps launch ahead (the processing of each is planned once the step before resolved)
+    and every request gets the plain engine's tokens, text and finish; a row whose every token
+    is masked fails alone with its reason."""
+    from deltaserve.engine import overlap
+    from deltaserve.structured.params import StructuredOutputsParams as S
+
+    prompts = prompts_of([9, 14, 6, 11, 8, 10, 7], seed=59)
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eos = min(tiny_llm.engine.eos_ids)
+    params = {
+        "r0": free,
+        "r1": replace(free, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3),
+        "r2": replace(free, logit_bias=((7, 30.0), (11, 29.5)), min_tokens=4,
+                      bad_words=("hello",)),
+        "r3": SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=S(regex="[0-9]{3}")),
+        "r4": SamplingParams(temperature=0.0, max_tokens=12,
+                             structured_outputs=S(choice=("alpha", "beta gamma"))),
+        "r5": replace(free, allowed_token_ids=(eos,), min_tokens=3),  # nothing allowed: fails
+        "r6": replace(free, repetition_penalty=0.7),
+    }
+    arrivals = {0: [(rid, prompts[rid], params[rid]) for rid in ("r0", "r1", "r3", "r5")],
+                3: [(rid, prompts[rid], params[rid]) for rid in ("r2", "r4", "r6")]}
+    plain = drive(make_engine(tiny_llm), arrivals)
+    finished = []
+    finish = overlap.finish
+    overlap.finish = lambda engine, flight: (finished.append(1), finish(engine, flight))
+    try:
+        ahead = drive(overlapped(tiny_llm), arrivals)
+    finally:
+        overlap.finish = finish
+    assert ahead == plain
+    assert len(finished) >= 8
+    assert plain["r5"][2] == "error" and "no token is allowed" in plain["r5"][3]
+    assert plain["r3"][1].isdigit() and len(plain["r3"][1]) == 3, plain["r3"]
+    assert plain["r4"][1] in ("alpha", "beta gamma"), plain["r4"]
+    assert plain["r1"][0] != plain["r0"][0] or prompts["r1"] == prompts["r0"]

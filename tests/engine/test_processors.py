@@ -150,25 +150,23 @@ def test_penalty_defaults_come_from_generation_config(tmp_path) -> None:
 
 @pytest.mark.parametrize("vocab", [31, 64, 1000, 248320])
 def test_bitmask_application_equals_xgrammar_on_random_masks(vocab) -> None:
-    """apply_bitmask against xgrammar's own apply_token_bitmask_inplace (the reference), on
-    random words (sign bits included), a vocabulary that does not fill the last word, and rows
-    left out."""
+    """mask_rows_ref against xgrammar's own apply_token_bitmask_inplace (the reference), on
+    random words (sign bits included), a vocabulary that does not fill the last word, rows left
+    unmasked and rows taken out of order."""
     import xgrammar as xgr
 
-    from deltaserve.engine.processors import apply_bitmask
+    from deltaserve.ops.processing import mask_rows_ref
 
     gen = torch.Generator().manual_seed(vocab)
-    rows = torch.randn(5, vocab, generator=gen)
+    rows = torch.randn(5, vocab, generator=gen).bfloat16()
     words = (vocab + 31) // 32
     mask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
-    indices = [0, 2, 3]
-    want = rows.clone()
+    want = rows.float()
     full = torch.full((5, words), -1, dtype=torch.int32)
-    full[indices] = mask
+    full[[0, 2, 3]] = mask
     xgr.apply_token_bitmask_inplace(want, full, vocab_size=vocab)
-    got = rows.clone()
-    apply_bitmask(got, mask, indices)
-    assert torch.equal(got, want)
-    every = rows[indices].clone()
-    apply_bitmask(every, mask, [0, 1, 2])
-    assert torch.equal(every, want[indices])
+    index = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    mask_of = torch.tensor([2, 0, -1, 1], dtype=torch.int32)
+    got = mask_rows_ref(rows, index, mask_of, mask)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want[[3, 0, 1, 2]])

@@ -52,7 +52,7 @@ def q1_blocks(x: np.ndarray) -> np.ndarray:
 
 # where each type's fp16 fields sit in its block (ggml-common.h): random bytes elsewhere are valid
 RANDOM_BLOCKS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-                 "IQ4_NL": (0,), "IQ4_XS": (0,)}
+                 "IQ4_NL": (0,), "IQ4_XS": (0,), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
 def random_blocks(rows: int, nbytes: int, qtype: str, seed: int) -> np.ndarray:

@@ -49,3 +49,28 @@ def test_processed_rows_leave_free_rows_alone_under_cuda_graphs(tiny_dir) -> Non
     assert re.fullmatch(regex, outs[1].text), outs[1].text
     assert outs[2].token_ids != alone[6].outputs[0].token_ids
     assert all(t < 500 for t in outs[3].token_ids) and len(outs[3].token_ids) >= 10
+
+
+def test_greedy_processed_rows_run_ahead_with_the_plain_engines_tokens(tiny_dir,
+                                                                       monkeypatch) -> None:
+    """Greedy grammar and penalty rows under the overlapped decode (the processing of step t+1
+    planned while its forward runs) give the tokens of the engine without overlap."""
+    from deltaserve import LLM
+    from deltaserve.engine import overlap
+
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             structured_outputs=S(regex=r"[a-z]{3}-[0-9]{2}")),
+              SamplingParams(temperature=0, max_tokens=24, frequency_penalty=1.5,
+                             presence_penalty=0.5, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    prompts = [[11 + i, 400 + i, 9000 + i] * 5 for i in range(3)]
+    finished = []
+    finish = overlap.finish
+    monkeypatch.setattr(overlap, "finish", lambda e, f: (finished.append(1), finish(e, f)))
+    ahead = LLM(tiny_dir, dtype="float32", device="cuda").generate(prompts, params)
+    assert len(finished) >= 20
+    monkeypatch.setenv("DELTASERVE_OVERLAP", "0")  # each new LLM reads the environment again
+    plain_llm = LLM(tiny_dir, dtype="float32", device="cuda")
+    assert not plain_llm.engine.config.overlap
+    plain = plain_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in plain]

@@ -1,0 +1,55 @@
+"""Logits processing for CUDA GPUs (Triton): the processed rows copied out of the step's logits
+with their grammar masks applied in one kernel, and the penalties' edits in one more, instead of
+a dozen torch launches (each a few microseconds of a sub-millisecond decode step). Contracts:
+ops/processing.mask_rows_ref and penalize_ref (tests/ops/test_triton_processing.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.ops.backend import tl, triton
+
+BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _mask_rows_kernel(L, INDEX, MASK_OF, WORDS, OUT, V, L_ROW, W, BLOCK: tl.constexpr):
+        p = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < V
+        row = tl.load(INDEX + p).to(tl.int64)
+        x = tl.load(L + row * L_ROW + cols, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(MASK_OF + p).to(tl.int64)
+        if m >= 0:
+            w = tl.load(WORDS + m * W + cols // 32, mask=ok, other=0)
+            bit = (w >> (cols % 32)) & 1
+            x = tl.where(bit != 0, x, float("-inf"))
+        tl.store(OUT + p.to(tl.int64) * V + cols, x, mask=ok)
+
+    @triton.jit
+    def _penalize_kernel(F, AT, R, C, E, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < E
+        at = tl.load(AT + i, mask=ok, other=0).to(tl.int64)
+        r = tl.load(R + i, mask=ok, other=1.0)
+        c = tl.load(C + i, mask=ok, other=0.0)
+        x = tl.load(F + at, mask=ok, other=0.0)
+        tl.store(F + at, tl.where(x > 0, tl.math.div_rn(x, r), x * r) - c, mask=ok)
+
+
+def mask_rows_cuda(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
+                   words: torch.Tensor) -> torch.Tensor:
+    if logits.stride(-1) != 1 or not words.is_contiguous():
+        raise ValueError("mask_rows_cuda needs unit inner strides")
+    vocab = logits.shape[-1]
+    out = torch.empty(index.shape[0], vocab, dtype=torch.float32, device=logits.device)
+    grid = (index.shape[0], triton.cdiv(vocab, BLOCK))
+    _mask_rows_kernel[grid](logits, index, mask_of, words, out, vocab, logits.stride(0),
+                            words.shape[-1], BLOCK=BLOCK)
+    return out
+
+
+def penalize_cuda(rows: torch.Tensor, at: torch.Tensor, r: torch.Tensor, c: torch.Tensor) -> None:
+    block = 256
+    _penalize_kernel[(triton.cdiv(at.numel(), block),)](rows, at, r, c, at.numel(), BLOCK=block)

@@ -1,0 +1,64 @@
+"""GGUF block kernels against the torch reference (quant/ggml_blocks.dequantize_blocks, itself
+checked bit for bit against the gguf package in tests/quant): the native CPU decoders exact, the
+native multi-row GEMM and the Triton GEMV (on the H200) within fp32 rounding, on fresh random
+blocks of every kind, odd row counts and several blocks per row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltaserve.ops.native import native_lib
+from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
+from deltaserve.quant.schemes import Scheme
+from tests.ops.triton_device import KDEV, needs_kernels, rel
+from tests.quant.test_gguf_import import random_blocks
+
+needs_native = pytest.mark.skipif(native_lib() is None, reason="no C compiler for the kernels")
+
+
+def blocks_of(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    _, qk, nbytes, _ = BLOCKS[kind]
+    raw = random_blocks(rows, cols // qk * nbytes, kind.upper(), seed)
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_native_decoders_equal_the_reference(kind) -> None:
+    from deltaserve.ops.qgemv import dequantize_into
+
+    w = blocks_of(kind, 7, 512, seed=len(kind))
+    out = torch.empty(7, 512)
+    dequantize_into({"weight": w}, Scheme(kind, BLOCKS[kind][3], BLOCKS[kind][1]), out)
+    assert torch.equal(out, dequantize_blocks(w, kind))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_native_gemm_matches_the_reference_and_rows_keep_their_bits(kind) -> None:
+    from deltaserve.ops.qgemv import gemm_blocks
+
+    scheme = Scheme(kind, BLOCKS[kind][3], BLOCKS[kind][1])
+    w = blocks_of(kind, 37, 768, seed=7 + len(kind))
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3))
+    y = gemm_blocks(x, {"weight": w}, scheme)
+    want = x.double() @ dequantize_blocks(w, kind).double().T
+    assert rel(y, want) <= 1e-6
+    for r in range(5):  # one row alone gives the bits it had among five
+        assert torch.equal(gemm_blocks(x[r:r + 1], {"weight": w}, scheme)[0], y[r])
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_triton_gemv_matches_the_reference(kind, rows) -> None:
+    from deltaserve.ops import triton_blocks
+
+    w = blocks_of(kind, 45, 1024, seed=11 + rows).to(KDEV)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).to(KDEV)
+    y = triton_blocks.gemv_blocks_cuda(x, w, kind)
+    want = x.double() @ dequantize_blocks(w, kind).double().T
+    assert y.shape == (rows, 45) and rel(y, want) <= 1e-6
