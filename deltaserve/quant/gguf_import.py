@@ -238,13 +238,25 @@ def _is_matrix(name: str) -> bool:
     return name.endswith(".weight") and not name.endswith(("norm.weight", "conv1d.weight"))
 
 
+def _q1_0_floats(raw: np.ndarray) -> np.ndarray:
+    """Q1_0 blocks (fp16 d, 16 bytes of bits, lowest bit first) -> fp32: bit ? d : -d, as
+    llama.cpp's dequantize_row_q1_0. raw uint8 [..., blocks * 18] -> [..., blocks * 128]."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, 18)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [..., blocks, 1]
+    bits = np.unpackbits(blocks[..., 2:], axis=-1, bitorder="little").astype(np.float32)
+    return (d * (2 * bits - 1)).reshape(*raw.shape[:-1], -1)
+
+
 def _float(t, name: str) -> torch.Tensor:
     data = np.asarray(t.data)
     if t.tensor_type.name not in _FLOAT_TYPES:  # a quantized vector or conv: read as floats
         import gguf
 
         try:
-            data = gguf.quants.dequantize(data, t.tensor_type)
+            if t.tensor_type.name == "Q1_0":  # newer than the gguf package's dequantizers
+                data = _q1_0_floats(data)
+            else:
+                data = gguf.quants.dequantize(data, t.tensor_type)
         except ValueError as exc:  # a block count that does not fit the shape
             raise CheckpointError(f"GGUF tensor '{t.name}' is truncated or mis-sized") from exc
         except NotImplementedError as exc:

@@ -13,15 +13,22 @@ from deltaserve.ops.native import native_lib
 from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
 from deltaserve.quant.schemes import Scheme
 from tests.ops.triton_device import KDEV, needs_kernels, rel
-from tests.quant.test_gguf_import import random_blocks
+
+# byte offsets of each kind's fp16 scales: set small and finite (random bytes may be inf / NaN)
+SCALES_AT = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+             "iq4_xs": (0,), "iq4_nl": (0,), "q5_0": (0,), "q5_1": (0, 2)}
 
 needs_native = pytest.mark.skipif(native_lib() is None, reason="no C compiler for the kernels")
 
 
 def blocks_of(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     _, qk, nbytes, _ = BLOCKS[kind]
-    raw = random_blocks(rows, cols // qk * nbytes, kind.upper(), seed)
-    return torch.from_numpy(np.ascontiguousarray(raw))
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // qk, nbytes), dtype=np.uint8)
+    for at in SCALES_AT[kind]:
+        scale = rng.uniform(0.002, 0.02, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+        raw[:, :, at:at + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 @needs_native

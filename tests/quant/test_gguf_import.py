@@ -52,7 +52,7 @@ def q1_blocks(x: np.ndarray) -> np.ndarray:
 
 # where each type's fp16 fields sit in its block (ggml-common.h): random bytes elsewhere are valid
 RANDOM_BLOCKS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-                 "IQ4_NL": (0,), "IQ4_XS": (0,), "Q5_0": (0,), "Q5_1": (0, 2)}
+                 "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(rows: int, nbytes: int, qtype: str, seed: int) -> np.ndarray:
@@ -217,6 +217,18 @@ def test_gguf_file_runs_like_the_values_it_encodes(tmp_path, qtype, embed_qtype)
     ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[embed_qtype])
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src)
     assert out["tensors"] > 0
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["Q1_0", "Q4_K"])
+def test_the_dequantized_import_holds_the_files_values(tmp_path, qtype) -> None:
+    """import-gguf --dequantize (the reference side of scripts/gguf/quantize_check.py): every
+    tensor fp32, Q1_0 through llama.cpp's rule (the gguf package has no dequantizer for it)."""
+    src = default_model_dir()
+    ref = write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q.Q8_0)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src,
+                      dequantize=True)
+    assert out["quantized"] == 0
     assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
 
 
