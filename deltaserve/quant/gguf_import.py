@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from deltaserve.checkpoint.presets import text_config
 from deltaserve.errors import CheckpointError
 from deltaserve.quant.ggml_blocks import BLOCKS, GGUF_TYPES
+from deltaserve.quant.gguf_read import read_gguf
 from deltaserve.quant.gguf_tokenizer import tokenizer_files
 from deltaserve.quant.schemes import Scheme, pack_codes
 
@@ -98,16 +100,16 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
     through the gguf package's dequantizer (a float checkpoint transformers can load: the
     reference the quantized import is checked against)."""
     try:
-        import gguf
+        import gguf  # noqa: F401 (the tensor types and dequantizers are its)
     except ImportError as exc:
         raise CheckpointError("reading GGUF needs the gguf package: pip install 'deltaserve[gguf]'") from exc
     readers = []
     for part in split_parts(path):
         try:
-            readers.append(gguf.GGUFReader(str(part)))
-        except Exception as exc:  # the package raises ValueError/struct errors on bad files
+            readers.append(read_gguf(part))
+        except (ValueError, struct.error, OSError) as exc:
             raise CheckpointError(f"cannot read GGUF file {part}: {exc}") from exc
-    meta = _metadata(readers[0])
+    meta = readers[0].meta
     if int(meta.get("split.count", 1) or 1) != len(readers):
         raise CheckpointError(f"GGUF {path} says it is one of {meta.get('split.count')} parts, "
                               f"but {len(readers)} were found")
@@ -150,16 +152,6 @@ def _write_tokenizer(files: dict, out_dir: Path) -> None:
     if files["eos_ids"]:
         (out_dir / "generation_config.json").write_text(
             json.dumps({"eos_token_id": files["eos_ids"]}), encoding="utf-8")
-
-
-def _metadata(reader) -> dict:
-    out = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # noqa: BLE001 - unreadable or exotic fields are not needed
-            continue
-    return out
 
 
 def _config(meta: dict, readers) -> dict:

@@ -348,3 +348,37 @@ def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path) -> None:
     attn = llm.model.model.layers[3].self_attn
     assert [p.scheme.kind for p in attn.qkv_proj.segments] == ["q4_k", "q4_k", "q6_k"]
     assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
+
+
+def test_the_direct_reader_equals_the_gguf_packages(tmp_path) -> None:
+    """quant/gguf_read against gguf.GGUFReader on one file: every metadata value (strings,
+    string and number arrays, every scalar type) and every tensor's type, shape and bytes."""
+    from deltaserve.quant.gguf_read import read_gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen35")
+    w.add_array("t.tokens", ["a", "Ġb", "中文", "", "<|im_end|>"] * 50)
+    w.add_array("t.types", [1, 3, 1, 4, 1] * 50)
+    w.add_array("t.scores", [0.5, -1.25])
+    w.add_uint32("t.u32", 7)
+    w.add_int64("t.i64", -3)
+    w.add_float32("t.f32", 1.5)
+    w.add_float64("t.f64", 2.25)
+    w.add_bool("t.flag", True)
+    w.add_string("t.text", "{% for m in messages %}{{ m }}{% endfor %}")
+    rng = np.random.default_rng(0)
+    w.add_tensor("a", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b", rng.standard_normal((5, 32)).astype(np.float16))
+    w.add_tensor("c", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32),
+                                           Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = read_gguf(tmp_path / "m.gguf"), gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.meta[key] == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors) == 3
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(map(int, b.shape)))
+        assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
