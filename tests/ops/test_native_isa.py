@@ -121,3 +121,26 @@ def test_quantized_gemvs(lib, name, rows, cols, scale_dtype) -> None:
                    ptr(narrow["scales"]), ptr(narrow.get("biases", narrow["scales"])), ptr(out),
                    L(rows), L(cols), L(group), 2, SCALE_KINDS[scale_dtype])
     assert torch.equal(out, dequantize(narrow, FORMATS[name], torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl", "q3_k"])
+def test_block_decoders_and_gemm(lib, kind) -> None:
+    """GGUF blocks on this build: decoded exactly (the vector decoders of AVX2, the scalar ones
+    of plain x86-64) and the multi-row GEMM within rounding, each row its bits at any M."""
+    from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
+    from tests.ops.test_blocks import blocks_of
+
+    kid = BLOCKS[kind][0]
+    w = blocks_of(kind, 9, 512, seed=5)
+    out = torch.empty(9, 512)
+    lib.ds_dequant_blocks(ctypes.c_int(kid), ptr(w), ptr(out), L(9), L(512), ctypes.c_int(2))
+    assert torch.equal(out, dequantize_blocks(w, kind))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    y = torch.empty(3, 9)
+    lib.ds_gemm_blocks(ctypes.c_int(kid), ptr(w), ptr(x), ptr(y), L(3), L(9), L(512),
+                       ctypes.c_int(2))
+    assert rel(y.double(), x.double() @ out.double().T) <= 1e-6
+    one = torch.empty(1, 9)
+    lib.ds_gemm_blocks(ctypes.c_int(kid), ptr(w), ptr(x[2:]), ptr(one), L(1), L(9), L(512),
+                       ctypes.c_int(2))
+    assert torch.equal(one[0], y[2])

@@ -139,15 +139,82 @@ static void dec_q5(const uint8_t* b, float* o, int has_min) {
   }
 }
 
+#if DS_SIMD16
+// The common types decoded 16 weights at a time: per weight the scalar decoders' operations in
+// their order (a fused multiply-add only where the product is exact), so the same values.
+static void dec_k4_v(const uint8_t* b, float* o, int five) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+  for (int c = 0; c < 4; c++) {
+    float s0, m0, s1, m1;
+    k_scale_min(b + 4, 2 * c, &s0, &m0);
+    k_scale_min(b + 4, 2 * c + 1, &s1, &m1);
+    const vf16 d0 = vf_set1(d * s0), n0 = vf_set1(-(dmin * m0));
+    const vf16 d1 = vf_set1(d * s1), n1 = vf_set1(-(dmin * m1));
+    for (int h = 0; h < 2; h++) {
+      const vi16 q = vi_load_u8(qs + 32 * c + 16 * h);
+      vi16 lo = vi_bits(q, 0, 15), hi = vi_bits(q, 4, 15);
+      if (five) {
+        const vi16 bits = vi_load_u8(qh + 16 * h);
+        lo = vi_or_shl(lo, vi_bits(bits, 2 * c, 1), 4);
+        hi = vi_or_shl(hi, vi_bits(bits, 2 * c + 1, 1), 4);
+      }
+      vf_store(o + 64 * c + 16 * h, vf_fma(d0, vf_from_vi(lo, 0), n0));
+      vf_store(o + 64 * c + 32 + 16 * h, vf_fma(d1, vf_from_vi(hi, 0), n1));
+    }
+  }
+}
+
+static void dec_q6_k_v(const uint8_t* b, float* o) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = (const int8_t*)(b + 192);
+  const float d = half_at(b + 208);
+  for (int h = 0; h < 2; h++)
+    for (int i0 = 0; i0 < 32; i0 += 16) {
+      const vi16 high = vi_load_u8(qh + 32 * h + i0);
+      const vi16 la = vi_load_u8(ql + 64 * h + i0), lb = vi_load_u8(ql + 64 * h + 32 + i0);
+      for (int j = 0; j < 4; j++) {
+        const vi16 q = vi_or_shl(vi_bits(j % 2 ? lb : la, 4 * (j / 2), 15),
+                                 vi_bits(high, 2 * j, 3), 4);
+        const int k = 128 * h + 32 * j + i0;
+        vf_store(o + k, vf_mul(vf_set1(d * (float)sc[k / 16]), vf_from_vi(q, 32)));
+      }
+    }
+}
+
+static void dec_iq4_v(const uint8_t* qs, float dl, float* o) {  // 16 bytes: 32 codebook weights
+  const vi16 q = vi_load_u8(qs);
+  vf_store(o, vf_mul(vf_set1(dl), vf_lut16(IQ4, vi_bits(q, 0, 15))));
+  vf_store(o + 16, vf_mul(vf_set1(dl), vf_lut16(IQ4, vi_bits(q, 4, 15))));
+}
+
+static void dec_iq4_xs_v(const uint8_t* b, float* o) {
+  const float d = half_at(b);
+  const int high = b[2] | (b[3] << 8);
+  for (int g = 0; g < 8; g++) {
+    const int sc = (((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((high >> (2 * g)) & 3) << 4)) - 32;
+    dec_iq4_v(b + 8 + 16 * g, d * (float)sc, o + 32 * g);
+  }
+}
+#endif
+
 static inline void decode(int type, const uint8_t* b, float* o) {
   switch (type) {
     case T_Q2_K: dec_q2_k(b, o); break;
     case T_Q3_K: dec_q3_k(b, o); break;
+#if DS_SIMD16
+    case T_Q4_K: dec_k4_v(b, o, 0); break;
+    case T_Q5_K: dec_k4_v(b, o, 1); break;
+    case T_Q6_K: dec_q6_k_v(b, o); break;
+    case T_IQ4_XS: dec_iq4_xs_v(b, o); break;
+    case T_IQ4_NL: dec_iq4_v(b + 2, half_at(b), o); break;
+#else
     case T_Q4_K: dec_q4_k(b, o); break;
     case T_Q5_K: dec_q5_k(b, o); break;
     case T_Q6_K: dec_q6_k(b, o); break;
     case T_IQ4_XS: dec_iq4_xs(b, o); break;
     case T_IQ4_NL: dec_iq4_nl(b, o); break;
+#endif
     case T_Q5_0: dec_q5(b, o, 0); break;
     default: dec_q5(b, o, 1); break;
   }
@@ -176,19 +243,25 @@ void ds_gemm_blocks(int type, const uint8_t* w, const float* x, float* y, long M
     float buf[256] __attribute__((aligned(64)));
     const uint8_t* wr = w + n * row;
 #if DS_SIMD16
-    vf16 acc[MAX_ROWS];
-    for (long m = 0; m < M; m++) acc[m] = vf_zero();
+    // two accumulators per row (32-weight halves): one chain of fused adds would wait on its
+    // own latency every 16 weights
+    vf16 acc[MAX_ROWS][2];
+    for (long m = 0; m < M; m++) acc[m][0] = acc[m][1] = vf_zero();
     for (long j = 0; j < nb; j++) {
       if (j + 1 < nb) _mm_prefetch((const char*)(wr + (j + 1) * bytes), _MM_HINT_T0);
       decode(type, wr + j * bytes, buf);
       for (long m = 0; m < M; m++) {
         const float* xr = x + m * K + j * qk;
-        vf16 a = acc[m];
-        for (int i = 0; i < qk; i += 16) a = vf_fma(vf_load(buf + i), vf_load(xr + i), a);
-        acc[m] = a;
+        vf16 a = acc[m][0], b = acc[m][1];
+        for (int i = 0; i < qk; i += 32) {
+          a = vf_fma(vf_load(buf + i), vf_load(xr + i), a);
+          b = vf_fma(vf_load(buf + i + 16), vf_load(xr + i + 16), b);
+        }
+        acc[m][0] = a;
+        acc[m][1] = b;
       }
     }
-    for (long m = 0; m < M; m++) y[m * N + n] = vf_sum(acc[m]);
+    for (long m = 0; m < M; m++) y[m * N + n] = vf_sum(acc[m][0]) + vf_sum(acc[m][1]);
 #else
     float acc[MAX_ROWS] = {0};
     for (long j = 0; j < nb; j++) {

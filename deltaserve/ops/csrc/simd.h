@@ -36,6 +36,25 @@ static inline void vf_load_u4(const uint8_t* p, vf16* lo, vf16* hi) {
 static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
   return _mm512_mask_add_ps(v, (__mmask16)bits, v, x);
 }
+// 16 int32 lanes (the block decoders' codes): bytes widened, shifts, masks, a 16-entry table
+typedef __m512i vi16;
+static inline void vf_store(float* p, vf16 v) { _mm512_storeu_ps(p, v); }
+static inline vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
+static inline vi16 vi_load_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+}
+static inline vi16 vi_bits(vi16 v, int shift, int mask) {  // (v >> shift) & mask
+  return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask));
+}
+static inline vi16 vi_or_shl(vi16 a, vi16 b, int shift) {  // a | (b << shift)
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, shift));
+}
+static inline vf16 vf_from_vi(vi16 v, int minus) {  // (float)(v - minus)
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(minus)));
+}
+static inline vf16 vf_lut16(const float* table, vi16 index) {  // table[index], index in 0..15
+  return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table));
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -87,6 +106,43 @@ static inline __m256 mask_add8(__m256 v, int bits, __m256 x) {
 }
 static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
   return (vf16){mask_add8(v.a, bits & 0xFF, x.a), mask_add8(v.b, bits >> 8, x.b)};
+}
+typedef struct {
+  __m256i a, b;
+} vi16;
+static inline void vf_store(float* p, vf16 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+static inline vf16 vf_mul(vf16 x, vf16 y) {
+  return (vf16){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)};
+}
+static inline vi16 vi_load_u8(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return (vi16){_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))};
+}
+static inline vi16 vi_bits(vi16 v, int shift, int mask) {
+  const __m256i m = _mm256_set1_epi32(mask);
+  return (vi16){_mm256_and_si256(_mm256_srli_epi32(v.a, shift), m),
+                _mm256_and_si256(_mm256_srli_epi32(v.b, shift), m)};
+}
+static inline vi16 vi_or_shl(vi16 x, vi16 y, int shift) {
+  return (vi16){_mm256_or_si256(x.a, _mm256_slli_epi32(y.a, shift)),
+                _mm256_or_si256(x.b, _mm256_slli_epi32(y.b, shift))};
+}
+static inline vf16 vf_from_vi(vi16 v, int minus) {
+  const __m256i m = _mm256_set1_epi32(minus);
+  return (vf16){_mm256_cvtepi32_ps(_mm256_sub_epi32(v.a, m)),
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(v.b, m))};
+}
+static inline __m256 lut8x2(__m256 lo, __m256 hi, __m256i index) {  // index 0..15
+  const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(7)));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index),
+                          _mm256_permutevar8x32_ps(hi, index), upper);
+}
+static inline vf16 vf_lut16(const float* table, vi16 index) {
+  const __m256 lo = _mm256_loadu_ps(table), hi = _mm256_loadu_ps(table + 8);
+  return (vf16){lut8x2(lo, hi, index.a), lut8x2(lo, hi, index.b)};
 }
 
 #else
