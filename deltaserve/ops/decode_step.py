@@ -91,8 +91,9 @@ class DsModel(ctypes.Structure):
 def _matrix(linear, lib, keep: list) -> DsMat | None:
     """The C description of a Linear for a batch-1 fp32 decode row, with the kernel the layered
     path would pick (ops/qgemv.qgemv, ops/gemv.gemv); None where that path is not native."""
-    if linear.reduce is not None or linear.segments is not None or linear.input_order is not None:
-        return None
+    if linear.reduce is not None or linear.segments is not None or linear.input_order is not None \
+            or (linear.scheme is not None and linear.scheme.is_block()):
+        return None  # GGUF blocks: the layered path's block GEMM
     scheme = linear.scheme
     if scheme is None:
         w = linear.weight  # fp32 weights (validation runs) take F.linear there: not native

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaserve import LLM
+from deltaserve import LLM, SamplingParams
 from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.cli import main
@@ -348,6 +348,14 @@ def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path) -> None:
     attn = llm.model.model.layers[3].self_attn
     assert [p.scheme.kind for p in attn.qkv_proj.segments] == ["q4_k", "q4_k", "q6_k"]
     assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
+    # decoding through the engine (the layered path: the one-call decode step leaves blocks to
+    # it), one sequence and two, gives the reference's greedy tokens
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [PROMPT_IDS[0], PROMPT_IDS[0][:5]]
+    want = [o.outputs[0].token_ids for o in LLM(tmp_path / "ref", dtype="float32").generate(
+        prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.generate([PROMPT_IDS[0]], params)[0].outputs[0].token_ids == want[0]
 
 
 def test_the_direct_reader_equals_the_gguf_packages(tmp_path) -> None:
