@@ -127,6 +127,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds_gemm_blocks.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [
         ctypes.c_int]
     lib.ds_gemm_blocks.restype = None
+    if getattr(lib, "ds_gemm_blocks_vnni", None) is not None:  # AVX512-VNNI builds only
+        lib.ds_gemm_blocks_vnni.argtypes = lib.ds_gemm_blocks.argtypes
+        lib.ds_gemm_blocks_vnni.restype = ctypes.c_int
     return lib
 
 

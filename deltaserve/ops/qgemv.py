@@ -151,13 +151,37 @@ def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
     return fn
 
 
+BLOCKS_VNNI = ("q4_k", "q6_k")  # block kinds with an int8-activation kernel (gemv_blocks_vnni.c)
+
+
+def blocks_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
+    """The int8-activation block kernels' math: the exact weights times x rounded per group of
+    32 to int8 steps (quantize_act). x [M,K] -> [M,N] fp32 (computed in fp64)."""
+    rows = [xq.reshape(-1).double() * dx.double().repeat_interleave(32)
+            for xq, dx in (quantize_act(r, 32) for r in x.float())]
+    w = dequantize(p, scheme, torch.float32).double()
+    return (torch.stack(rows) @ w.T).float()
+
+
+def blocks_vnni(lib, scheme: Scheme) -> bool:
+    """Whether a block layout's GEMM runs on int8 activations: built, not turned off
+    (DELTASERVE_EXACT_INT8_ACT=1) and a kind with such a kernel. Every row count takes the same
+    choice, so a row's bits never depend on its batch."""
+    return scheme.kind in BLOCKS_VNNI and not env().exact_int8_activations and \
+        getattr(lib, "ds_gemm_blocks_vnni", None) is not None
+
+
 def gemm_blocks(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
-    """x [M,K] (M <= QGEMM_MAX_ROWS) -> [M,N] fp32 on a block layout's native kernel, which
-    decodes each block once for all rows; a row gets the same bits whatever M is."""
+    """x [M,K] (M <= QGEMM_MAX_ROWS) -> [M,N] fp32 on a block layout's native kernel (exact
+    fp32 activations: each block decoded once for all rows; or int8 activations where
+    blocks_vnni says); a row gets the same bits whatever M is."""
     w, x = p["weight"].contiguous(), x.float().contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    native_lib().ds_gemm_blocks(BLOCKS[scheme.kind][0], w.data_ptr(), x.data_ptr(), out.data_ptr(),
-                                x.shape[0], w.shape[0], x.shape[-1], torch.get_num_threads())
+    lib = native_lib()
+    args = (BLOCKS[scheme.kind][0], w.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0],
+            w.shape[0], x.shape[-1], torch.get_num_threads())
+    if not (blocks_vnni(lib, scheme) and lib.ds_gemm_blocks_vnni(*args)):
+        lib.ds_gemm_blocks(*args)
     return out
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from deltaserve.ops.native import native_lib
+from deltaserve.env import env
+from deltaserve.ops.native import isa_paths, native_lib
 from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
 from deltaserve.quant.schemes import Scheme
 from tests.ops.triton_device import KDEV, needs_kernels, rel
@@ -42,17 +43,34 @@ def test_native_decoders_equal_the_reference(kind) -> None:
     assert torch.equal(out, dequantize_blocks(w, kind))
 
 
+@pytest.fixture(params=["exact", "int8 activations"])
+def activations(request, monkeypatch):
+    """Both block GEMMs: fp32 activations (DELTASERVE_EXACT_INT8_ACT=1), and the int8-activation
+    kernels where this build has them (else the same exact ones)."""
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1" if request.param == "exact" else "0")
+    env.cache_clear()
+    yield request.param
+    env.cache_clear()
+
+
 @needs_native
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
-def test_native_gemm_matches_the_reference_and_rows_keep_their_bits(kind) -> None:
-    from deltaserve.ops.qgemv import gemm_blocks
+def test_native_gemm_matches_the_reference_and_rows_keep_their_bits(kind, activations) -> None:
+    from deltaserve.ops.qgemv import blocks_act_ref, blocks_vnni, gemm_blocks
 
     scheme = Scheme(kind, BLOCKS[kind][3], BLOCKS[kind][1])
     w = blocks_of(kind, 37, 768, seed=7 + len(kind))
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3))
+    x[1, 40:70] = 0.0  # a group of zeros: its step is zero, not NaN
     y = gemm_blocks(x, {"weight": w}, scheme)
-    want = x.double() @ dequantize_blocks(w, kind).double().T
+    int8 = blocks_vnni(native_lib(), scheme)
+    assert int8 == (activations != "exact" and kind in ("q4_k", "q6_k") and
+                    "vnni-int8" in isa_paths())
+    want = blocks_act_ref(x, {"weight": w}, scheme) if int8 else \
+        x.double() @ dequantize_blocks(w, kind).double().T
     assert rel(y, want) <= 1e-6
+    if int8:  # the rounding of x shows against the exact weights times the exact x
+        assert 1e-4 < rel(y, x.double() @ dequantize_blocks(w, kind).double().T) < 0.02
     for r in range(5):  # one row alone gives the bits it had among five
         assert torch.equal(gemm_blocks(x[r:r + 1], {"weight": w}, scheme)[0], y[r])
 
