@@ -1,9 +1,10 @@
-// GGUF Q4_K and Q6_K blocks on int8 activations (AVX512-VNNI), llama.cpp's Q4_K x Q8_K and
+// GGUF Q4_K, Q6_K and IQ4_XS blocks on int8 activations (AVX512-VNNI), llama.cpp's Q4_K x Q8_K and
 // Q6_K x Q8_K semantics on our Q8_0 activation rule: x is rounded per group of 32 to int8 steps
 // (quantize as gemv_vnni.c: d = absmax / 127, round to nearest even), and the codes, unsigned,
 // meet the int8 x in VPDPBUSD. Per block of 256 weights:
 //   Q4_K  sum_s d sc_s dx_s dot(q_s, xq_s) - dmin m_s dx_s sum(xq_s)     (8 groups of 32)
 //   Q6_K  sum_g d sc_g dx_g (dot(u_g, xq_g) - 32 sum(xq_g))               (16 groups of 16)
+//   IQ4_XS sum_s d (ls_s - 32) dx_s dot(v_s, xq_s), v the codebook values  (8 groups of 32)
 // A 64-byte VPDPBUSD covers 64 weights: its 16 int32 lanes are scaled per lane (each lane's group
 // scale, permuted into place) and summed in fp32. Rows are independent: each row's bits are the
 // same whatever M is. Reference: ops/qgemv.blocks_act_ref (tests/ops/test_blocks.py).
@@ -150,11 +151,52 @@ static float row_q6_k(const uint8_t* w, long nb, Act a) {
   return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(corr);
 }
 
-// type: gemv_blocks.c's ids (2: Q4_K, 4: Q6_K); 0 if the type has no kernel here
+static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+// IQ4_XS: codebook values (int8) looked up 64 at a time (VPSHUFB per 128-bit lane); DPBUSD
+// wants an unsigned side, so |v| meets x with v's sign
+static float row_iq4_xs(const uint8_t* w, long nb, Act a) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_TABLE));
+  const __m256i m4 = _mm256_set1_epi8(15);
+  __m512 acc = _mm512_setzero_ps();
+  for (long j = 0; j < nb; j++) {
+    const uint8_t* b = w + j * 136;
+    const int high = b[2] | (b[3] << 8);
+    float ls[8];
+    for (int s = 0; s < 8; s++)
+      ls[s] = (float)((((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4))
+                      - 32);
+    const __m512 step = _mm512_castps256_ps512(_mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_loadu_ps(ls)),
+        _mm256_loadu_ps(a.dx + 8 * j)));
+    for (int c = 0; c < 4; c++) {  // sub-blocks 2c, 2c + 1: 16 bytes each, low nibbles first
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 8 + 32 * c));
+      const __m256i lo = _mm256_and_si256(q, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      const __m512i codes = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+          _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      const __m512i v = _mm512_shuffle_epi8(table, codes);
+      const __m512i x = _mm512_loadu_si512((const void*)(a.xq + 256 * j + 64 * c));
+      const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v),
+                                                    _mm512_setzero_si512(), x);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(v),
+                                              signed_x);
+      const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * c), _mm512_setr_epi32(
+          0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, step), acc);
+    }
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// type: gemv_blocks.c's ids (2: Q4_K, 4: Q6_K, 5: IQ4_XS); 0 if the type has no kernel here
 int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, long M, long N,
                         long K, int num_threads) {
-  if ((type != 2 && type != 4) || K % 256 || M > MAX_ROWS) return 0;
-  const long nb = K / 256, row = nb * (type == 2 ? 144 : 210), g32 = K / 32, g16 = K / 16;
+  if ((type != 2 && type != 4 && type != 5) || K % 256 || M > MAX_ROWS) return 0;
+  const long nb = K / 256, row = nb * (type == 2 ? 144 : type == 4 ? 210 : 136);
+  const long g32 = K / 32, g16 = K / 16;
   int8_t* xq = malloc(M * K);
   float* f = malloc(M * (2 * g32 + 2 * g16) * sizeof(float));
   if (!xq || !f) {
@@ -170,7 +212,9 @@ int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, lo
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long n = 0; n < N; n++)
     for (long m = 0; m < M; m++)
-      y[m * N + n] = type == 2 ? row_q4_k(w + n * row, nb, act[m]) : row_q6_k(w + n * row, nb, act[m]);
+      y[m * N + n] = type == 2   ? row_q4_k(w + n * row, nb, act[m])
+                     : type == 4 ? row_q6_k(w + n * row, nb, act[m])
+                                 : row_iq4_xs(w + n * row, nb, act[m]);
   free(xq), free(f);
   return 1;
 }
