@@ -151,7 +151,8 @@ def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
     return fn
 
 
-BLOCKS_VNNI = ("q4_k", "q6_k", "iq4_xs")  # block kinds with an int8-activation kernel (gemv_blocks_vnni.c)
+# block kinds with an int8-activation kernel (gemv_blocks_vnni.c)
+BLOCKS_VNNI = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 def blocks_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:

@@ -64,7 +64,7 @@ def test_native_gemm_matches_the_reference_and_rows_keep_their_bits(kind, activa
     x[1, 40:70] = 0.0  # a group of zeros: its step is zero, not NaN
     y = gemm_blocks(x, {"weight": w}, scheme)
     int8 = blocks_vnni(native_lib(), scheme)
-    assert int8 == (activations != "exact" and kind in ("q4_k", "q6_k", "iq4_xs") and
+    assert int8 == (activations != "exact" and kind in ("q4_k", "q5_k", "q6_k", "iq4_xs") and
                     "vnni-int8" in isa_paths())
     want = blocks_act_ref(x, {"weight": w}, scheme) if int8 else \
         x.double() @ dequantize_blocks(w, kind).double().T

@@ -1,8 +1,8 @@
-// GGUF Q4_K, Q6_K and IQ4_XS blocks on int8 activations (AVX512-VNNI), llama.cpp's Q4_K x Q8_K and
+// GGUF Q4_K, Q5_K, Q6_K and IQ4_XS blocks on int8 activations (AVX512-VNNI), llama.cpp's Q4_K x Q8_K and
 // Q6_K x Q8_K semantics on our Q8_0 activation rule: x is rounded per group of 32 to int8 steps
 // (quantize as gemv_vnni.c: d = absmax / 127, round to nearest even), and the codes, unsigned,
 // meet the int8 x in VPDPBUSD. Per block of 256 weights:
-//   Q4_K  sum_s d sc_s dx_s dot(q_s, xq_s) - dmin m_s dx_s sum(xq_s)     (8 groups of 32)
+//   Q4_K, Q5_K  sum_s d sc_s dx_s dot(q_s, xq_s) - dmin m_s dx_s sum(xq_s) (8 groups of 32)
 //   Q6_K  sum_g d sc_g dx_g (dot(u_g, xq_g) - 32 sum(xq_g))               (16 groups of 16)
 //   IQ4_XS sum_s d (ls_s - 32) dx_s dot(v_s, xq_s), v the codebook values  (8 groups of 32)
 // A 64-byte VPDPBUSD covers 64 weights: its 16 int32 lanes are scaled per lane (each lane's group
@@ -74,11 +74,22 @@ typedef struct {
   const float *dx, *dx16, *xs32, *xs16;
 } Act;
 
-static float row_q4_k(const uint8_t* w, long nb, Act a) {
+// Q5_K's fifth bits of the 64 weights of chunk c: bit 2c (weights 0-31), 2c + 1 (32-63) of qh
+static inline __m512i fifth_bits(const uint8_t* qh, int c) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)qh), one = _mm256_set1_epi8(1);
+  const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one);
+  return _mm512_slli_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 4);
+}
+
+// Q4_K (five = 0: d, dmin, scales[12], qs[128]) and Q5_K (five = 1: qh[32] before qs)
+static inline __attribute__((always_inline)) float row_k4(const uint8_t* w, long nb, Act a,
+                                                          int five) {
   __m512 acc = _mm512_setzero_ps();
   __m256 mins = _mm256_setzero_ps();
+  const long bytes = five ? 176 : 144;
   for (long j = 0; j < nb; j++) {
-    const uint8_t* b = w + j * 144;
+    const uint8_t* b = w + j * bytes;
     uint8_t sm[16];
     k4_scales(b + 4, sm);
     const __m128i bytes = _mm_loadu_si128((const __m128i*)sm);
@@ -90,8 +101,10 @@ static float row_q4_k(const uint8_t* w, long nb, Act a) {
     mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), mn),
                            _mm256_loadu_ps(a.xs32 + 8 * j), mins);
     for (int c = 0; c < 4; c++) {
+      __m512i codes = nibbles64(b + (five ? 48 : 16) + 32 * c);
+      if (five) codes = _mm512_or_si512(codes, fifth_bits(b + 16, c));
       const __m512i dot = _mm512_dpbusd_epi32(
-          _mm512_setzero_si512(), nibbles64(b + 16 + 32 * c),
+          _mm512_setzero_si512(), codes,
           _mm512_loadu_si512((const void*)(a.xq + 256 * j + 64 * c)));
       // lanes 0-7: sub-block 2c, 8-15: 2c + 1
       const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * c), _mm512_setr_epi32(
@@ -103,6 +116,9 @@ static float row_q4_k(const uint8_t* w, long nb, Act a) {
   const __m128 m2 = _mm_add_ps(m4, _mm_movehl_ps(m4, m4));
   return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
 }
+
+static float row_q4_k(const uint8_t* w, long nb, Act a) { return row_k4(w, nb, a, 0); }
+static float row_q5_k(const uint8_t* w, long nb, Act a) { return row_k4(w, nb, a, 1); }
 
 // Q6_K codes u = q + 32 (0..63) of weights 128h + 64t + 0..63 (t = 0, 1) of a block
 static inline __m512i q6_codes(const uint8_t* b, int h, int t) {
@@ -191,11 +207,12 @@ static float row_iq4_xs(const uint8_t* w, long nb, Act a) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// type: gemv_blocks.c's ids (2: Q4_K, 4: Q6_K, 5: IQ4_XS); 0 if the type has no kernel here
+// type: gemv_blocks.c's ids (2: Q4_K, 3: Q5_K, 4: Q6_K, 5: IQ4_XS); 0 if the type has no kernel here
 int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, long M, long N,
                         long K, int num_threads) {
-  if ((type != 2 && type != 4 && type != 5) || K % 256 || M > MAX_ROWS) return 0;
-  const long nb = K / 256, row = nb * (type == 2 ? 144 : type == 4 ? 210 : 136);
+  if (type < 2 || type > 5 || K % 256 || M > MAX_ROWS) return 0;
+  static const long BYTES[6] = {0, 0, 144, 176, 210, 136};
+  const long nb = K / 256, row = nb * BYTES[type];
   const long g32 = K / 32, g16 = K / 16;
   int8_t* xq = malloc(M * K);
   float* f = malloc(M * (2 * g32 + 2 * g16) * sizeof(float));
@@ -213,6 +230,7 @@ int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, lo
   for (long n = 0; n < N; n++)
     for (long m = 0; m < M; m++)
       y[m * N + n] = type == 2   ? row_q4_k(w + n * row, nb, act[m])
+                     : type == 3 ? row_q5_k(w + n * row, nb, act[m])
                      : type == 4 ? row_q6_k(w + n * row, nb, act[m])
                                  : row_iq4_xs(w + n * row, nb, act[m]);
   free(xq), free(f);
