@@ -199,6 +199,14 @@ def write_gguf(src, path, qtype, embed_qtype, split_max_tensors: int = 0, extra=
     return ref
 
 
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    """The file's values are checked through the exact kernels (fp32 activations); the
+    int8-activation block kernels have their own tests (tests/ops/test_blocks.py) and one
+    model-level bound below."""
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")
+
+
 def logits_rel(src, ref: dict, imported, tmp_path) -> float:
     """Prompt logits rel-L2 of the imported folder against a copy of src holding ref's values."""
     ref_dir = tmp_path / "ref"
@@ -319,7 +327,9 @@ def test_every_type_is_held_quantized_with_the_files_values(tmp_path, qtype) -> 
     held = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values()
                if t.dtype in (torch.uint8, torch.uint32, torch.float16))
     assert held <= 1.10 * (tmp_path / "m.gguf").stat().st_size
-    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
+    # the values are equal (above); what remains is fp32 summation order (the block GEMM's two
+    # accumulators against MKL's) through six random layers: ~1e-5, where a wrong value is ~1e-2
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 3e-5
 
 
 def q4_k_m_like(gname: str):
@@ -330,7 +340,7 @@ def q4_k_m_like(gname: str):
     return Q.F32 if gname.endswith("ssm_alpha.weight") else Q.Q4_K
 
 
-def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path) -> None:
+def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path, monkeypatch) -> None:
     """A Q4_K_M-like mix on a model whose value heads (128 wide, Hv = 2 Hk) are narrower than a
     K-quant block: packed Linears whose parts differ run one Linear per part, the GDN out-projection
     keeps the file's column order and gathers its input into it; logits as the reference's."""
@@ -356,6 +366,9 @@ def test_a_mix_of_types_and_heads_narrower_than_blocks(tmp_path) -> None:
         prompts, params)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert llm.generate([PROMPT_IDS[0]], params)[0].outputs[0].token_ids == want[0]
+    # int8 activations where this build has them (VNNI): the rounding of x shows, boundedly
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "0")
+    assert logits_rel(src, ref, tmp_path / "imported", tmp_path / "int8") <= 0.05
 
 
 def test_the_direct_reader_equals_the_gguf_packages(tmp_path) -> None:
