@@ -92,6 +92,9 @@ def _parser_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--preset", required=True)
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dry-run", action="store_true", help="only print tensor count and bytes")
+    make.add_argument("--format", default="safetensors", choices=("safetensors", "gguf-q1_0"),
+                      help="gguf-q1_0: one .gguf file (OUT) laid out as llama.cpp's converter and "
+                      "`llama-quantize Q1_0` write it, random blocks at the real shape")
     make.add_argument("out", nargs="?", default=None)
 
 
@@ -376,6 +379,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _make_gguf(p, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deltaserve.checkpoint.gguf_synthetic import gguf_bytes, text_of, write_synthetic_gguf
+
+    cfg = text_of(p.config)
+    if args.dry_run:
+        summary = {"preset": p.name, "format": args.format, "tensor_bytes": gguf_bytes(cfg)}
+    else:
+        if args.out is None or not args.out.endswith(".gguf"):
+            raise DeltaserveError("make-checkpoint --format gguf-q1_0 needs an output file "
+                                  "ending in .gguf (or --dry-run)")
+        if Path(args.out).exists():
+            raise DeltaserveError(f"output file {args.out} exists")
+        summary = write_synthetic_gguf(cfg, Path(args.out), args.seed, p.name)
+    print(json.dumps(summary))
+    return 0
+
+
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -383,6 +405,8 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.writer import summarize, write_checkpoint
 
     p = preset(args.preset)
+    if args.format != "safetensors":
+        return _make_gguf(p, args)
     if args.dry_run:
         summary = summarize(p)
     else:

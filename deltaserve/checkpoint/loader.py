@@ -56,7 +56,7 @@ def load_text_model(model_dir: Path, dtype: str = "auto", device: str = "cpu", t
     index = TensorIndex.scan(model_dir)
     mlx = is_mlx_layout(index)  # of the whole checkpoint: a stage may hold no GDN conv
     if plan is not None:
-        _check_quantized_split(plan, raw, index)
+        plan = _check_quantized_split(plan, raw, index)
     local = cfg if plan is None else plan.local_config()
     if stage is not None:
         local, index = stage.local_config(cfg), stage.local_index(index, cfg.tie_word_embeddings)
@@ -89,13 +89,15 @@ def _tp_plan(cfg: TextConfig, tp):
     return TPPlan(cfg, tp.rank, tp.world_size)
 
 
-def _check_quantized_split(plan, raw: dict[str, Any], index: TensorIndex) -> None:
+def _check_quantized_split(plan, raw: dict[str, Any], index: TensorIndex):
+    """The plan, with the modules whose inputs keep a GGUF's value-head order."""
     from deltaserve.distributed.shard import check_quantized_split
     from deltaserve.quant.loading import quant_block, quantized_scheme
 
     block = quant_block(raw)
-    if block is not None:
-        check_quantized_split(plan, index, lambda name: quantized_scheme(block, index, name))
+    if block is None:
+        return plan
+    return check_quantized_split(plan, index, lambda name: quantized_scheme(block, index, name))
 
 
 def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:

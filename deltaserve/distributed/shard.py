@@ -37,6 +37,9 @@ class TPPlan:
     cfg: TextConfig
     rank: int
     size: int
+    # row-parallel modules whose inputs stay in a GGUF's value-head order (Linear.input_order:
+    # heads narrower than the file's blocks); set by check_quantized_split
+    file_ordered: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         c, n = self.cfg, self.size
@@ -88,6 +91,8 @@ class TPPlan:
             c = self.cfg
             blocks = tensor.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim])
             return torch.cat([self._rows(b) for b in blocks])
+        if module in ROW and name.rpartition(".")[0] in self.file_ordered:
+            return self._file_cols(leaf, tensor)
         if module in ROW:
             return self._cols(name, tensor)
         if module in VOCAB:
@@ -107,6 +112,27 @@ class TPPlan:
                 "row-parallel split must keep whole quantization groups)")
         return t.chunk(self.size, dim=-1)[self.rank]
 
+    def _file_runs(self) -> list[tuple[int, int]]:
+        """This rank's out_proj input columns in a GGUF's tiled value-head order (file slot
+        i*Hk + g holds HF head g*r + i): one run per i of its key groups' heads, ascending."""
+        c, n = self.cfg, self.size
+        hk, dv = c.linear_num_key_heads, c.linear_value_head_dim
+        g0, width = self.rank * hk // n, hk // n
+        return [((i * hk + g0) * dv, (i * hk + g0 + width) * dv)
+                for i in range(c.linear_num_value_heads // hk)]
+
+    def _file_cols(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
+        """The rank's runs of a tensor whose columns are in the file's order: the codes, scales
+        and biases of whole blocks (check_quantized_split made sure), or input_order, whose
+        entries become the rank's own HF columns."""
+        cols = self.cfg.linear_value_dim
+        if leaf == "input_order":
+            picked = torch.cat([t[a:b] for a, b in self._file_runs()])
+            return picked - self.rank * (cols // self.size)
+        width = t.shape[-1]
+        return torch.cat([t[..., a * width // cols : b * width // cols]
+                          for a, b in self._file_runs()], dim=-1)
+
     def _vocab(self, t: torch.Tensor) -> torch.Tensor:
         start, valid = self.vocab_start, self.vocab_valid
         part = t[start : start + valid]
@@ -121,17 +147,20 @@ def _uneven(t: torch.Tensor) -> torch.Tensor:
                           f"{list(t.shape)})")
 
 
-def check_quantized_split(plan: TPPlan, index, scheme_for) -> None:
+def check_quantized_split(plan: TPPlan, index, scheme_for) -> TPPlan:
     """Before building: every quantized row-parallel weight keeps whole groups (or llama.cpp
-    blocks) per rank. scheme_for(module) -> its quant.schemes.Scheme, None when not quantized."""
+    blocks) per rank. scheme_for(module) -> its quant.schemes.Scheme, None when not quantized.
+    Returns the plan with the modules that keep a GGUF's value-head order (file_ordered)."""
+    ordered = set()
     for name in index.locations:
         parts = name.split(".")
         if len(parts) < 2 or parts[-2] not in ROW:
             continue
         module = name.rpartition(".")[0]
         if parts[-1] == "input_order":
-            raise CheckpointError(f"'{module}' keeps the GGUF's value-head column order (heads "
-                                  "narrower than its blocks): it cannot be split over ranks")
+            _check_file_order(plan, module, scheme_for(module))
+            ordered.add(module)
+            continue
         scheme = scheme_for(module) if parts[-1] == "weight" else None
         if scheme is None:
             continue
@@ -143,3 +172,17 @@ def check_quantized_split(plan: TPPlan, index, scheme_for) -> None:
                 f"'{module}': {cols} inputs in groups of {scheme.group_size} do not split over "
                 f"{plan.size} ranks in whole groups ({cols // plan.size} per rank); use another "
                 "tensor-parallel size or a smaller group size")
+    return dataclasses.replace(plan, file_ordered=frozenset(ordered))
+
+
+def _check_file_order(plan: TPPlan, module: str, scheme) -> None:
+    """A rank's out_proj columns in the file's order are runs of (Hk / ranks) value heads: each
+    run must be whole blocks of the module's scheme."""
+    c = plan.cfg
+    run = c.linear_num_key_heads // plan.size * c.linear_value_head_dim
+    if scheme is None or module.rpartition(".")[2] != "out_proj" or run % scheme.group_size:
+        group = "?" if scheme is None else scheme.group_size
+        raise CheckpointError(
+            f"'{module}' keeps the GGUF's value-head column order, and over {plan.size} ranks "
+            f"each rank's runs of {run} columns are not whole blocks of {group}: use another "
+            "tensor-parallel size")

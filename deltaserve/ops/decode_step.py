@@ -20,9 +20,9 @@ from deltaserve.config import FULL
 from deltaserve.env import env
 from deltaserve.ops.dispatch import REFERENCE, Case, Op
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import a4_is_vnni, q8_is_vnni, scales_of
+from deltaserve.ops.qgemv import a4_is_vnni, q1_is_vnni, q8_is_vnni, scales_of
 
-BF16, Q8, Q8_VNNI, A4, Q1, A4_VNNI = range(6)
+BF16, Q8, Q8_VNNI, A4, Q1, A4_VNNI, Q1_VNNI = range(7)
 
 
 class DsMat(ctypes.Structure):
@@ -115,6 +115,8 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
         kind = Q8_VNNI if q8_is_vnni(lib, n, k, g) else Q8
     elif kind == A4 and a4_is_vnni(lib, n, k, g):
         kind = A4_VNNI
+    elif kind == Q1 and q1_is_vnni(lib, n, k, g):
+        kind = Q1_VNNI
     s, b, scale_kind = scales_of(p, scheme)  # the same arrays the layered path passes
     keep.extend([linear.weight, s, b])
     bias = b.data_ptr() if scheme.has_biases() else None

@@ -113,7 +113,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)  # ..., num_threads, scale_kind (ops/qgemv.scale_kind)
         fn.argtypes = [ctypes.c_void_p] * num_ptrs + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
         fn.restype = None
-    for name, like in (("ds_gemv_q8_vnni", "ds_gemv_q8"), ("ds_gemv_a4_vnni", "ds_gemv_a4")):
+    for name, like in (("ds_gemv_q8_vnni", "ds_gemv_q8"), ("ds_gemv_a4_vnni", "ds_gemv_a4"),
+                       ("ds_gemv_q1_vnni", "ds_gemv_q1")):
         if hasattr(lib, name):  # built only where the compiler targets AVX512-VNNI
             getattr(lib, name).argtypes = getattr(lib, like).argtypes
             getattr(lib, name).restype = None

@@ -45,12 +45,17 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def qgemv_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
-    """The int8-activation GEMVs' math in torch (int8 codes, or 4-bit affine codes 0..15): per
+    """The int8-activation GEMVs' math in torch (int8 codes, 1-bit codes +-1, or 4-bit affine
+    codes 0..15): per
     group, the exact integer dot of the codes and quantized x times scale * dx, plus (affine)
     bias times dx * sum(xq); summed over groups in fp32. x [1,K] -> [1,N] fp32."""
     xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
     n = p["weight"].shape[0]
-    codes = p["weight"] if scheme.kind == "int8" else unpack_codes(p["weight"], scheme.bits)
+    if scheme.kind == "q1":  # the codes 2b - 1, b bit k % 8 of byte k / 8
+        bits = (p["weight"].to(torch.int32).unsqueeze(-1) >> torch.arange(8)) & 1
+        codes = 2 * bits.reshape(n, -1) - 1
+    else:
+        codes = p["weight"] if scheme.kind == "int8" else unpack_codes(p["weight"], scheme.bits)
     dots = (codes.to(torch.int32).reshape(n, *xq.shape) * xq).sum(-1)  # [N, K/G], exact in int32
     out = (dots.float() * (p["scales"].float() * dx)).sum(-1)
     if scheme.has_biases():
@@ -107,8 +112,10 @@ _A4_WINNERS = tuning.table("cpu-qgemv-int4")
 
 @functools.cache  # every decode GEMV asks; the answer per shape never changes
 def vnni_wins(fmt: str, n: int, k: int) -> bool:
-    """Whether the int8-activation kernel won this [n, k] shape for `fmt` ("int8" or "int4")."""
-    for (n_lo, n_hi, k_lo, k_hi), name in (_Q8_WINNERS if fmt == "int8" else _A4_WINNERS).items():
+    """Whether the int8-activation kernel won this [n, k] shape for `fmt` ("int8" or "int4";
+    formats without a table: yes)."""
+    table = {"int8": _Q8_WINNERS, "int4": _A4_WINNERS}.get(fmt, {})
+    for (n_lo, n_hi, k_lo, k_hi), name in table.items():
         if n_lo <= n < n_hi and k_lo <= k < k_hi:
             return name == "vnni"
     return True
@@ -129,6 +136,12 @@ def q8_is_vnni(lib, n: int, k: int, group: int) -> bool:
     return _vnni_allowed(lib, "ds_gemv_q8_vnni", "int8", n, k, group)
 
 
+def q1_is_vnni(lib, n: int, k: int, group: int) -> bool:
+    """Whether the 1-bit GEMV for this shape is the VNNI one (no tuning table: it won every
+    shape measured, docs/journal/2026-12-05-issue-34-gguf-quantized.md)."""
+    return _vnni_allowed(lib, "ds_gemv_q1_vnni", "q1", n, k, group)
+
+
 def a4_is_vnni(lib, n: int, k: int, group: int) -> bool:
     """Whether the 4-bit affine GEMV for this shape is the VNNI one (as q8_is_vnni)."""
     return _vnni_allowed(lib, "ds_gemv_a4_vnni", "int4", n, k, group)
@@ -141,7 +154,7 @@ def _kernel(lib, scheme: Scheme, n: int, k: int, multi: bool):
     stem = _STEMS[(scheme.kind, scheme.bits)]
     if multi and stem == "q1":
         return None
-    vnni = {"q8": q8_is_vnni, "a4": a4_is_vnni}.get(stem)
+    vnni = {"q8": q8_is_vnni, "a4": a4_is_vnni, "q1": q1_is_vnni}.get(stem)
     fast = vnni is not None and vnni(lib, n, k, scheme.group_size)
     fn = getattr(lib, f"ds_{'gemm' if multi else 'gemv'}_{stem}{'_vnni' if fast else ''}", None)
     if multi and fn is not None and fn.argtypes is None:  # registered beside its one caller

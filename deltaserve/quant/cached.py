@@ -37,16 +37,38 @@ def quantized_copy(model_dir: Path, fmt: str, log=print) -> Path:
 
     root = env().cache_dir / "quantized"
     out = root / f"{model_dir.name}-{fmt}-{_fingerprint(model_dir, fmt)}"
-    if (out / _DONE).is_file():
-        return out
-    tmp = root / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    log(f"quantizing {model_dir} to {fmt} once, into {out}")
-    quantize_checkpoint(model_dir, fmt, tmp)
-    (tmp / _DONE).write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    def build(tmp: Path) -> None:
+        log(f"quantizing {model_dir} to {fmt} once, into {out}")
+        quantize_checkpoint(model_dir, fmt, tmp)
+
+    _once(out, build)
     return out
+
+
+def _once(out: Path, build) -> bool:
+    """build(tmp) then tmp renamed to out, unless out is complete; False if it already was.
+    Processes that ask at once (the ranks of `--tp 2` on a new file) take a file lock: one
+    builds, the others wait for it and find out complete."""
+    import fcntl
+
+    if (out / _DONE).is_file():
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / _DONE).is_file():
+            return False
+        tmp = out.parent / f".{out.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / _DONE).write_text("")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return True
 
 
 GGUF_IMPORTER_VERSION = 3  # a changed importer gets a fresh copy
@@ -64,22 +86,16 @@ def gguf_copy(parts: list[Path], log=print) -> Path:
     root = env().cache_dir / "gguf"
     stem = parts[0].name.removesuffix(".gguf")
     out = root / f"{stem}-{h.hexdigest()[:16]}"
-    if (out / _DONE).is_file():
-        return out
     size = sum(f.stat().st_size for f in parts)
-    log(f"importing {parts[0]}{f' (+{len(parts) - 1} parts)' if len(parts) > 1 else ''} "
-        f"({size / 2**30:.2f} GiB) once, into {out}")
-    start = time.perf_counter()
-    tmp = root / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        report = import_gguf(parts[0], tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / _DONE).write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    start, report = time.perf_counter(), {}
+
+    def build(tmp: Path) -> None:
+        log(f"importing {parts[0]}{f' (+{len(parts) - 1} parts)' if len(parts) > 1 else ''} "
+            f"({size / 2**30:.2f} GiB) once, into {out}")
+        report.update(import_gguf(parts[0], tmp))
+
+    if not _once(out, build):
+        return out
     written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     log(f"imported in {time.perf_counter() - start:.1f} s: {written / 2**30:.2f} GiB in {out}")
     log("tensor types: " + ", ".join(f"{k} ({n})" for k, n in report["types"].items()))

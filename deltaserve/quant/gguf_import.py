@@ -94,6 +94,30 @@ def hf_name(name: str, num_layers: int | None = None) -> str | None:
     return f"model.layers.{layer}.{_RENAME[parts[2]]}" if parts[2] in _RENAME else None
 
 
+def gguf_name(name: str, num_layers: int) -> str:
+    """The GGUF name llama.cpp's converter gives HF tensor `name` (the inverse of hf_name; the
+    MTP block goes after the model's num_layers blocks)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    if name in fixed:
+        return fixed[name]
+    nextn = {f"mtp.{v}": k for k, v in _NEXTN.items()}
+    if name in nextn:
+        return f"blk.{num_layers}.{nextn[name]}"
+    to_gguf = {v: k for k, v in _RENAME.items()}
+    if name.startswith("mtp.layers."):
+        index, rest = name.removeprefix("mtp.layers.").split(".", 1)
+        return f"blk.{num_layers + int(index)}.{to_gguf[rest]}"
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{to_gguf[rest]}"
+
+
+def stored_plus_one(name: str) -> bool:
+    """A (1 + w) norm of HF tensor `name`: GGUF stores it with the 1 added."""
+    return name.endswith(_SHIFTED) or name in ("model.norm.weight", "mtp.norm.weight") or \
+        name.startswith("mtp.pre_fc_norm_")
+
+
 def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
                 dequantize: bool = False) -> dict:
     """The checkpoint folder of a GGUF file (or split set); dequantize: every tensor as fp32
@@ -122,8 +146,9 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
     tok_src = tokenizer_dir or path.parent
     if embedded is None and not (tok_src / "tokenizer.json").is_file():
         raise CheckpointError(f"{path.name} carries no tokenizer and there is no tokenizer.json "
-                              f"in {tok_src}: pass --tokenizer-from FOLDER (the original model's "
-                              "folder)")
+                              f"in {tok_src}: put the original model's tokenizer.json beside it, "
+                              "or import it with `deltaserve import-gguf FILE OUT "
+                              "--tokenizer-from FOLDER`")
     config = _config(meta, readers)
     tensors, schemes = _tensors(readers, config, dequantize)
     config["quantization"] = _block(schemes)
@@ -263,8 +288,7 @@ def _float(t, name: str) -> torch.Tensor:
         return x.reshape(x.shape[0], 1, -1).contiguous()
     if name.endswith("A_log"):
         return torch.log(-x.double()).float()
-    if name.endswith(_SHIFTED) or name in ("model.norm.weight", "mtp.norm.weight") or \
-            name.startswith("mtp.pre_fc_norm_"):
+    if stored_plus_one(name):
         return x - 1.0
     return x.contiguous()
 

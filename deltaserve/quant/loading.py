@@ -104,8 +104,10 @@ def _named_block(block: dict[str, Any] | None, name: str) -> bool:
 
 def _check_layout(index, name: str, scheme: Scheme, cols: int) -> None:
     wshape, wdtype = index.meta(f"{name}.weight")
-    if scheme.is_block():
-        if cols % scheme.group_size or tuple(wshape[1:]) != scheme.packed_shape(1, cols)[1:] \
+    if scheme.is_block():  # (whole blocks: a tensor-parallel rank holds a part of the row,
+        # checked against the module once sharded)
+        block = scheme.packed_shape(1, scheme.group_size)[1]
+        if cols % scheme.group_size or len(wshape) != 2 or wshape[1] % block \
                 or wdtype != scheme.packed_dtype():
             raise CheckpointError(f"'{name}': {list(wshape)} {wdtype} is not {cols} inputs in "
                                   f"{scheme.kind} blocks")

@@ -28,11 +28,11 @@ from deltaserve.bench.record import device_info, git_commit  # noqa: E402
 from deltaserve.ops.native import isa_paths  # noqa: E402
 
 
-def ours(model: str, threads: int, prompt: int) -> dict:
+def ours(model: str, threads: int, prompt: int, tokens: int, repeats: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
-                        "bfloat16", "--prefill-lens", str(prompt or ""), "--decode-tokens", "128",
-                        "--repeats", "3", "--peer", "none", "--out", f.name],
+                        "bfloat16", "--prefill-lens", str(prompt or ""), "--decode-tokens",
+                        str(tokens), "--repeats", str(repeats), "--peer", "none", "--out", f.name],
                        check=True, capture_output=True,
                        env={**os.environ, "DELTASERVE_NUM_THREADS": str(threads)})
         rec = json.loads(Path(f.name).read_text())
@@ -44,9 +44,10 @@ def ours(model: str, threads: int, prompt: int) -> dict:
     return out
 
 
-def llama(binary: str, gguf: str, threads: int, prompt: int) -> dict:
-    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", "128",
-                           "-r", "3", "-o", "json"], check=True, capture_output=True, text=True)
+def llama(binary: str, gguf: str, threads: int, prompt: int, tokens: int, repeats: int) -> dict:
+    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n",
+                           str(tokens), "-r", str(repeats), "-o", "json"], check=True,
+                          capture_output=True, text=True)
     rows = json.loads(proc.stdout)
     out = {"build_commit": rows[0].get("build_commit"), "model_type": rows[0].get("model_type"),
            "model_size": rows[0].get("model_size")}
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512,
                     help="prefill length timed (0: decode only, for a build whose prefill fails)")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run, each side")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     # the knobs that restrict our kernels and torch's to an instruction set (an AVX2-only
@@ -73,14 +76,17 @@ def main() -> None:
                if k in os.environ}
     record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
               "device": device_info("cpu"), "threads": args.threads, "prompt": args.prompt,
+              "decode_tokens": args.decode_tokens, "repeats": args.repeats,
               "llama_bench": args.llama_bench, "isa_env": isa_env,
               "isa_paths": list(isa_paths()), "pairs": {}}
     for pair in args.pair:
         model, gguf = pair.split("=", 1)
         runs = []
         for _ in range(args.rounds):
-            runs.append({"deltaserve": ours(model, args.threads, args.prompt),
-                         "llama.cpp": llama(args.llama_bench, gguf, args.threads, args.prompt)})
+            n, r = args.decode_tokens, args.repeats
+            runs.append({"deltaserve": ours(model, args.threads, args.prompt, n, r),
+                         "llama.cpp": llama(args.llama_bench, gguf, args.threads, args.prompt, n,
+                                            r)})
             print(json.dumps(runs[-1]), file=sys.stderr)
         keys = ["decode_tok_s"] + ([f"prefill_{args.prompt}_tok_s"] if args.prompt else [])
         med = {e: {k: statistics.median(r[e][k] for r in runs) for k in keys} for e in runs[0]}

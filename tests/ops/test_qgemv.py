@@ -142,6 +142,49 @@ def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
     assert ((exact - qgemv_ref(x, p, INT8)).norm() / exact.norm()).item() <= 1e-5
 
 
+Q1 = FORMATS["q1"]
+
+
+@needs_vnni_int8
+@pytest.mark.parametrize(("rows", "cols"), [(7, 256), (203, 896), (1000, 1024), (66, 5120)])
+def test_q1_vnni_kernel_matches_the_int8_activation_reference(rows, cols) -> None:
+    """1-bit codes (GGUF Q1_0) on int8 activations: the bits of W x^ (x rounded per group of 128,
+    the reference's exact integer dots); within the activation rounding of the spec; and what
+    the dispatcher runs unless DELTASERVE_EXACT_INT8_ACT=1."""
+    from deltaserve.ops.qgemv import q1_is_vnni
+
+    torch.manual_seed(rows * cols)
+    p = {"weight": torch.randint(0, 256, (rows, cols // 8), dtype=torch.uint8),
+         "scales": torch.rand(rows, cols // 128) * 0.02}
+    x = torch.randn(1, cols) * torch.logspace(-2, 1, cols)[None, :]
+    assert q1_is_vnni(native_lib(), rows, cols, 128)
+    out, ref = qgemv(x, p, Q1), qgemv_act_ref(x, p, Q1)
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-6
+    spec = qgemv_ref(x, p, Q1)
+    assert ((out - spec).norm() / spec.norm()).item() <= 1.5e-2
+    assert not torch.equal(out, spec)  # the activation rounding is there: the VNNI kernel ran
+
+
+@needs_vnni_int8
+def test_q1_vnni_kernel_follows_the_knob_and_keeps_zero_and_nan_groups(monkeypatch) -> None:
+    p = {"weight": torch.randint(0, 256, (64, 32), dtype=torch.uint8),
+         "scales": torch.rand(64, 2).half()}
+    x = torch.randn(1, 256)
+    x[0, :128] = 0.0  # a zero group: d = 0, no 0 * inf
+    fast = qgemv(x, p, Q1)
+    assert torch.isfinite(fast).all()
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")
+    env.cache_clear()
+    try:
+        exact = qgemv(x, p, Q1)
+    finally:
+        env.cache_clear()
+    assert torch.allclose(exact, qgemv_ref(x, p, Q1), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(exact, fast)
+    x[0, 200] = float("nan")
+    assert qgemv(x, p, Q1).isnan().all()
+
+
 @without_vnni_int8
 def test_int8_decode_without_vnni_is_exact_whatever_the_knob(monkeypatch) -> None:
     """A build without the VNNI kernel (AVX2, scalar) never picks it: int8 decode keeps fp32

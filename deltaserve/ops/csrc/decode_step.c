@@ -10,7 +10,8 @@
 #include <string.h>
 #include "simd.h"
 
-enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4, DS_A4_VNNI = 5 };
+enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4, DS_A4_VNNI = 5,
+       DS_Q1_VNNI = 6 };
 
 typedef struct {  // y[n] = sum_k W[n,k] x[k]; W in one of the formats above
   int kind;
@@ -60,6 +61,8 @@ void ds_gemv_q1(const uint8_t* w, const void* s, const float* x, float* y, long 
                 int num_threads, int scale_kind);
 void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                      long N, long K, long G, int num_threads, int scale_kind);
+void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, long N, long K,
+                     long G, int num_threads, int scale_kind);
 void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const float* a,
                          float* window, const float* conv_w, const float* a_log,
                          const float* dt_bias, float* state, const float* norm_w, float* out,
@@ -101,6 +104,7 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
+    case DS_Q1_VNNI: ds_gemv_q1_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_Q1: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;

@@ -1,10 +1,11 @@
 // Decode GEMVs on int8 activations (AVX512-VNNI), split from gemv_quant.c (the fp32-activation
-// kernels): int8 codes (llama.cpp's Q8_0 x Q8_0 semantics) and 4-bit affine codes (Q4_1 x Q8_1's).
-// Both compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds the reference
+// kernels): int8 codes (llama.cpp's Q8_0 x Q8_0 semantics), 1-bit codes (Q1_0's) and 4-bit affine
+// codes (Q4_1 x Q8_1's). All compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds the reference
 // (qgemv_act_ref) and picks between these and the fp32 kernels per shape.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "scales.h"
 #include "simd.h"
 
@@ -18,6 +19,8 @@ void ds_gemv_q8(const int8_t* w, const void* s, const float* x, float* y, long N
                 int num_threads, int scale_kind);
 void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M, long N, long K,
                 long G, int num_threads, int scale_kind);
+void ds_gemv_q1(const uint8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind);
 void ds_gemv_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y, long N,
                 long K, long G, int num_threads, int scale_kind);
 void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
@@ -144,6 +147,62 @@ void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
       }
     }
   }
+  free(xq);
+}
+
+// ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations ----
+// w = s * (2b - 1), so per group y += s * dx * (2 * sum(xq where b) - sum(xq)). 64 bits of a row
+// are one mask: the bytes 2 where a bit is set, 0 elsewhere (one masked move), times xq in one
+// VPDPBUSD; lane 0 of the group's int32 accumulator starts at -sum(xq) = corr / 128. |lane| <=
+// 2 * 4 * 127 * G / 64 + 127 * G stays exact in int32 and in fp32.
+static inline __attribute__((always_inline)) void block_q1_vnni(
+    const uint8_t* w, const void* s, int sk, const int8_t* xq, const float* dx,
+    const int32_t* corr, float* y, long n0, long K, long G, const int R) {
+  const __m512i two = _mm512_set1_epi8(2);
+  const long num_groups = K / G, bytes = K / 8;
+  const uint8_t* rows = w + n0 * bytes;
+  __m512 total[VNNI_ROWS];
+  for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+  for (long g = 0; g < num_groups; g++) {
+    const __m512i c = _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[g] / 128));
+    __m512i acc[VNNI_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = c;
+    for (long k = g * G; k < (g + 1) * G; k += 64) {
+      const __m512i xv = _mm512_loadu_si512(xq + k);
+      for (int r = 0; r < R; r++) {
+        const uint8_t* p = rows + r * bytes + k / 8;
+        _mm_prefetch((const char*)(p + R * bytes), _MM_HINT_T0);
+        uint64_t bits;
+        memcpy(&bits, p, 8);
+        const __m512i u = _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), two);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const float f = ds_scale(s, (n0 + r) * num_groups + g, sk) * dx[g];
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(f), total[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
+}
+
+void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, long N, long K,
+                     long G, int num_threads, int scale_kind) {
+  if (G % 64 || K % G || G > VNNI_MAX_G) {
+    ds_gemv_q1(w, s, x, y, N, K, G, num_threads, scale_kind);
+    return;
+  }
+  int8_t* xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
+  if (xq == NULL) abort();
+  float* dx = (float*)(xq + K);
+  int32_t* corr = (int32_t*)(dx + K / G);
+  quantize_x_q8(x, xq, dx, corr, K, G);
+  const long num_blocks = N / VNNI_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long b = 0; b < num_blocks; b++)
+    block_q1_vnni(w, s, scale_kind, xq, dx, corr, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
+  for (long n = num_blocks * VNNI_ROWS; n < N; n++)
+    block_q1_vnni(w, s, scale_kind, xq, dx, corr, y, n, K, G, 1);
   free(xq);
 }
 
