@@ -45,17 +45,20 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def qgemv_act_ref(x: torch.Tensor, p: dict, scheme: Scheme) -> torch.Tensor:
-    """The int8-activation GEMVs' math in torch (int8 codes, 1-bit codes +-1, or 4-bit affine
-    codes 0..15): per
+    """The int8-activation GEMVs' math in torch (int8 codes, 1-bit codes +-1 on x rounded per
+    32, or 4-bit affine codes 0..15): per
     group, the exact integer dot of the codes and quantized x times scale * dx, plus (affine)
     bias times dx * sum(xq); summed over groups in fp32. x [1,K] -> [1,N] fp32."""
-    xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
     n = p["weight"].shape[0]
-    if scheme.kind == "q1":  # the codes 2b - 1, b bit k % 8 of byte k / 8
+    if scheme.kind == "q1":  # codes 2b - 1 (b: bit k % 8 of byte k / 8); x rounded per 32
         bits = (p["weight"].to(torch.int32).unsqueeze(-1) >> torch.arange(8)) & 1
-        codes = 2 * bits.reshape(n, -1) - 1
-    else:
-        codes = p["weight"] if scheme.kind == "int8" else unpack_codes(p["weight"], scheme.bits)
+        codes = (2 * bits.reshape(n, -1) - 1).reshape(n, -1, 32)
+        xq, dx = quantize_act(x.reshape(-1), 32)
+        per32 = (codes * xq).sum(-1).float() * dx  # [N, K/32]: exact dots times their dx
+        group = per32.reshape(n, p["scales"].shape[-1], -1).sum(-1)
+        return (group * p["scales"].float()).sum(-1).reshape(1, -1)
+    xq, dx = quantize_act(x.reshape(-1), scheme.group_size)
+    codes = p["weight"] if scheme.kind == "int8" else unpack_codes(p["weight"], scheme.bits)
     dots = (codes.to(torch.int32).reshape(n, *xq.shape) * xq).sum(-1)  # [N, K/G], exact in int32
     out = (dots.float() * (p["scales"].float() * dx)).sum(-1)
     if scheme.has_biases():

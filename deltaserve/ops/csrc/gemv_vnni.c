@@ -151,36 +151,62 @@ void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
 }
 
 // ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations ----
-// w = s * (2b - 1), so per group y += s * dx * (2 * sum(xq where b) - sum(xq)). 64 bits of a row
+// w = s * (2b - 1); x is rounded per 32 elements (llama.cpp's Q1_0 x Q8_0: its activations are
+// Q8_0 blocks of 32), so per 32 y += s * dx * (2 * sum(xq where b) - sum(xq)). 64 bits of a row
 // are one mask: the bytes 2 where a bit is set, 0 elsewhere (one masked move), times xq in one
-// VPDPBUSD; lane 0 of the group's int32 accumulator starts at -sum(xq) = corr / 128. |lane| <=
-// 2 * 4 * 127 * G / 64 + 127 * G stays exact in int32 and in fp32.
+// VPDPBUSD whose lanes 0-7 hold the chunk's first 32 elements and 8-15 the next 32; the chunk's
+// `init` starts lanes 0 and 8 at -sum(xq) of their 32, and `fx` holds each lane's dx. |lane| <=
+// 2 * 4 * 127 + 32 * 127: exact in int32 and fp32.
+typedef struct {
+  int8_t* xq;  // [K]
+  __m512i* init;  // [K / 64]
+  __m512* fx;  // [K / 64]
+} XqQ1;
+
+static XqQ1 quantize_x_q1(const float* x, long K) {
+  XqQ1 q;
+  q.xq = aligned_alloc(64, K + K / 64 * 128 + K / 32 * 8);
+  if (q.xq == NULL) abort();
+  q.init = (__m512i*)(q.xq + K);
+  q.fx = (__m512*)(q.init + K / 64);
+  float* dx = (float*)(q.fx + K / 64);
+  int32_t* corr = (int32_t*)(dx + K / 32);
+  quantize_x_q8(x, q.xq, dx, corr, K, 32);
+  for (long c = 0; c < K / 64; c++) {
+    q.init[c] = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0x0001, corr[2 * c] / 128);
+    q.init[c] = _mm512_mask_set1_epi32(q.init[c], 0x0100, corr[2 * c + 1] / 128);
+    q.fx[c] = _mm512_mask_mov_ps(_mm512_set1_ps(dx[2 * c]), 0xFF00,
+                                 _mm512_set1_ps(dx[2 * c + 1]));
+  }
+  return q;
+}
+
 static inline __attribute__((always_inline)) void block_q1_vnni(
-    const uint8_t* w, const void* s, int sk, const int8_t* xq, const float* dx,
-    const int32_t* corr, float* y, long n0, long K, long G, const int R) {
+    const uint8_t* w, const void* s, int sk, const XqQ1* q, float* y, long n0, long K, long G,
+    const int R) {
   const __m512i two = _mm512_set1_epi8(2);
   const long num_groups = K / G, bytes = K / 8;
   const uint8_t* rows = w + n0 * bytes;
   __m512 total[VNNI_ROWS];
   for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
   for (long g = 0; g < num_groups; g++) {
-    const __m512i c = _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[g] / 128));
-    __m512i acc[VNNI_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = c;
+    __m512 part[VNNI_ROWS];
+    for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
     for (long k = g * G; k < (g + 1) * G; k += 64) {
-      const __m512i xv = _mm512_loadu_si512(xq + k);
+      const __m512i xv = _mm512_loadu_si512(q->xq + k), c = q->init[k / 64];
+      const __m512 fx = q->fx[k / 64];
       for (int r = 0; r < R; r++) {
         const uint8_t* p = rows + r * bytes + k / 8;
         _mm_prefetch((const char*)(p + R * bytes), _MM_HINT_T0);
         uint64_t bits;
         memcpy(&bits, p, 8);
         const __m512i u = _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), two);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
+        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, u, xv)), fx, part[r]);
       }
     }
     for (int r = 0; r < R; r++) {
-      const float f = ds_scale(s, (n0 + r) * num_groups + g, sk) * dx[g];
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(f), total[r]);
+      const float sc = ds_scale(s, (n0 + r) * num_groups + g, sk);
+      total[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sc), total[r]);
     }
   }
   for (int r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
@@ -188,22 +214,18 @@ static inline __attribute__((always_inline)) void block_q1_vnni(
 
 void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, long N, long K,
                      long G, int num_threads, int scale_kind) {
-  if (G % 64 || K % G || G > VNNI_MAX_G) {
+  if (G % 64 || K % G) {
     ds_gemv_q1(w, s, x, y, N, K, G, num_threads, scale_kind);
     return;
   }
-  int8_t* xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
-  if (xq == NULL) abort();
-  float* dx = (float*)(xq + K);
-  int32_t* corr = (int32_t*)(dx + K / G);
-  quantize_x_q8(x, xq, dx, corr, K, G);
+  XqQ1 q = quantize_x_q1(x, K);
   const long num_blocks = N / VNNI_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long b = 0; b < num_blocks; b++)
-    block_q1_vnni(w, s, scale_kind, xq, dx, corr, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
+    block_q1_vnni(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
   for (long n = num_blocks * VNNI_ROWS; n < N; n++)
-    block_q1_vnni(w, s, scale_kind, xq, dx, corr, y, n, K, G, 1);
-  free(xq);
+    block_q1_vnni(w, s, scale_kind, &q, y, n, K, G, 1);
+  free(q.xq);
 }
 
 // ---- 4-bit affine codes on int8 activations ----
