@@ -15,6 +15,16 @@ def _flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _gemv_rows(value: str) -> int:
+    from deltaserve.errors import ConfigError
+
+    if value.strip() in ("", "0", "auto"):
+        return 0
+    if value.strip() not in ("1", "4"):
+        raise ConfigError(f"DELTASERVE_CPU_GEMV_ROWS={value!r}: choose 1, 4 or auto")
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Env:
     cache_dir: Path  # DELTASERVE_CACHE_DIR: default model, built tokenizer files
@@ -36,6 +46,9 @@ class Env:
     gpu_backend: str  # DELTASERVE_GPU_BACKEND=auto|triton|portable (ops/backend.py)
     # DELTASERVE_EXACT_INT8_ACT=1: int8 and int4 decode GEMVs keep fp32 activations (no VNNI)
     exact_int8_activations: bool
+    # DELTASERVE_CPU_GEMV_ROWS=1|4: weight rows per block of the int8-activation GEMVs (default
+    # 0: measured once per CPU, ops/gemv_rows.py)
+    cpu_gemv_rows: int
     fla: bool  # DELTASERVE_FLA=0: the GPU prefill scan never uses fla-core's chunk kernel
     # DELTASERVE_AMX=0: fp32 vision GEMMs on CPU stay on torch's fp32 GEMM instead of the AMX
     # bf16x2 split kernel (ops/gemm_amx.py)
@@ -83,6 +96,7 @@ class Env:
                      else _flag("DELTASERVE_OVERLAP")),
             gpu_backend=(os.environ.get("DELTASERVE_GPU_BACKEND") or "auto").strip().lower(),
             exact_int8_activations=_flag("DELTASERVE_EXACT_INT8_ACT"),
+            cpu_gemv_rows=_gemv_rows(os.environ.get("DELTASERVE_CPU_GEMV_ROWS", "")),
             fla=_flag("DELTASERVE_FLA", default=True),
             amx=_flag("DELTASERVE_AMX", default=True),
             gemv_prologue=_flag("DELTASERVE_GEMV_PROLOGUE", default=True),

@@ -131,6 +131,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if getattr(lib, "ds_gemm_blocks_vnni", None) is not None:  # AVX512-VNNI builds only
         lib.ds_gemm_blocks_vnni.argtypes = lib.ds_gemm_blocks.argtypes
         lib.ds_gemm_blocks_vnni.restype = ctypes.c_int
+    if getattr(lib, "ds_set_vnni_rows", None) is not None:
+        lib.ds_set_vnni_rows.argtypes = [ctypes.c_int]
+        lib.ds_set_vnni_rows.restype = None
     return lib
 
 
@@ -143,6 +146,10 @@ def native_lib() -> ctypes.CDLL | None:
         if not _tried:
             try:
                 _lib = build() if env().native else None
+                if _lib is not None:
+                    from deltaserve.ops import gemv_rows
+
+                    gemv_rows.configure(_lib)  # rows per block: measured once per CPU
             except OSError as exc:
                 print(f"deltaserve: CPU kernels unavailable ({exc}); using torch's path",
                       file=sys.stderr)

@@ -126,9 +126,11 @@ def vnni_wins(fmt: str, n: int, k: int) -> bool:
 
 def _vnni_allowed(lib, name: str, fmt: str, n: int, k: int, group: int) -> bool:
     """The int8-activation kernel `name` is built, allowed, takes this shape and won it."""
-    if getattr(lib, name, None) is None or env().exact_int8_activations or group % 64 or k % group:
+    if getattr(lib, name, None) is None or env().exact_int8_activations or k % group:
         return False
-    if group > 512:  # VNNI_MAX_G (gemv_vnni.c): larger groups take the exact kernels
+    if fmt == "int8" and group == 32:  # GGUF Q8_0: two groups per 64-byte chunk (block_vnni32)
+        return k % 64 == 0 and vnni_wins(fmt, n, k)
+    if group % 64 or group > 512:  # VNNI_MAX_G (gemv_vnni.c): larger groups take exact kernels
         return False
     return vnni_wins(fmt, n, k)
 

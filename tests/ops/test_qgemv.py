@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deltaserve.env import env
+from deltaserve.errors import ConfigError
 from deltaserve.ops.native import native_lib, simd_lanes
 from deltaserve.ops.qgemv import (
     SCALE_KINDS,
@@ -129,10 +130,16 @@ def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
     env.cache_clear()
     try:
         assert torch.equal(qgemv(x, p, INT8), vnni(x, p))  # 1000x1024: VNNI won there
-        # VNNI needs whole 64-byte groups: qgemv takes the exact kernel, as the C entry would
+        # GGUF Q8_0's groups of 32: two per 64-byte chunk (block_vnni32), x rounded per 32
         assert torch.equal(qgemv(x, p32, g32), vnni(x, p32, 32))
-        assert ((qgemv(x, p32, g32) - qgemv_ref(x, p32, g32)).norm()
-                / qgemv_ref(x, p32, g32).norm()).item() <= 1e-5
+        ref32 = qgemv_act_ref(x, p32, g32)
+        assert ((qgemv(x, p32, g32) - ref32).norm() / ref32.norm()).item() <= 1e-6
+        # groups of 16 fill no chunk: the exact kernel, as the C entry would take
+        g16 = Scheme("int8", 8, 16)
+        p16 = packed_random(1000, 1024, g16)
+        assert torch.equal(qgemv(x, p16, g16), vnni(x, p16, 16))
+        assert ((qgemv(x, p16, g16) - qgemv_ref(x, p16, g16)).norm()
+                / qgemv_ref(x, p16, g16).norm()).item() <= 1e-5
         monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")
         env.cache_clear()
         exact = qgemv(x, p, INT8)
@@ -183,6 +190,46 @@ def test_q1_vnni_kernel_follows_the_knob_and_keeps_zero_and_nan_groups(monkeypat
     assert not torch.equal(exact, fast)
     x[0, 200] = float("nan")
     assert qgemv(x, p, Q1).isnan().all()
+
+
+@needs_vnni_int8
+def test_rows_per_block_never_change_a_bit(monkeypatch) -> None:
+    """4 weight rows per block or 1 (ops/gemv_rows.py, measured per machine): every
+    int8-activation kernel gives the same bits, GEMV and multi-row, rows off the blocks of 4."""
+    from deltaserve.ops import gemv_rows
+    from deltaserve.ops.qgemv import qgemm_rows
+
+    lib = native_lib()
+    g32 = Scheme("int8", 8, 32)
+    cases = [(INT8, 1024, packed_random(203, 1024, INT8)),
+             (g32, 896, packed_random(203, 896, g32)),
+             (FORMATS["int4"], 1024, packed_random(203, 1024, FORMATS["int4"])),
+             (Q1, 1024, {"weight": torch.randint(0, 256, (203, 128), dtype=torch.uint8),
+                         "scales": torch.rand(203, 8)})]
+    x = torch.randn(3, 1024)
+    got = {}
+    try:
+        for rows in (1, 4):
+            lib.ds_set_vnni_rows(rows)
+            got[rows] = [(qgemv(x[:1, :k], p, s), qgemm_rows(x[:, :k], p, s))  # (q1: no multi)
+                         for s, k, p in cases]
+    finally:
+        gemv_rows.configure(lib)
+    for (a1, m1), (a4, m4) in zip(got[1], got[4], strict=True):
+        assert torch.equal(a1, a4)
+        assert (m1 is None and m4 is None) or torch.equal(m1, m4)
+    monkeypatch.setenv("DELTASERVE_CPU_GEMV_ROWS", "1")
+    env.cache_clear()
+    try:
+        assert gemv_rows.configure(lib) == 1
+        monkeypatch.setenv("DELTASERVE_CPU_GEMV_ROWS", "3")
+        env.cache_clear()
+        with pytest.raises(ConfigError, match="choose 1, 4 or auto"):
+            env()
+    finally:
+        monkeypatch.delenv("DELTASERVE_CPU_GEMV_ROWS")
+        env.cache_clear()
+        gemv_rows.configure(lib)
 
 
 @without_vnni_int8

@@ -1,7 +1,7 @@
 // Decode GEMVs on int8 activations (AVX512-VNNI), split from gemv_quant.c (the fp32-activation
-// kernels): int8 codes (llama.cpp's Q8_0 x Q8_0 semantics), 1-bit codes (Q1_0's) and 4-bit affine
-// codes (Q4_1 x Q8_1's). All compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds the reference
-// (qgemv_act_ref) and picks between these and the fp32 kernels per shape.
+// kernels): int8 codes (Q8_0 x Q8_0 semantics), 1-bit codes (Q1_0 x Q8_0) and 4-bit affine codes
+// (Q4_1 x Q8_1). All compute W x^ for x^, x rounded per group to int8 steps. ops/qgemv.py holds
+// the reference (qgemv_act_ref) and picks between these and the fp32 kernels per shape.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +32,12 @@ void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, 
 // weights go in as w ^ 0x80 = w + 128, and -128 * sum(xq over the group) in lane 0 of the group's
 // int32 accumulator takes the 128 back out. ops/qgemv.py (qgemv_act_ref) holds the reference.
 #define VNNI_ROWS 4
+// Weight rows per block: VNNI_ROWS share each xq load, or 1, each row streamed alone with the
+// next row's codes prefetched. Which streams faster depends on the machine (a 2-core AMD EPYC:
+// the Q8_0 vocabulary head 18 GB/s with 4, 38 GB/s with 1); ops/native.py measures both once.
+// A row's arithmetic is the same either way: the choice never changes a bit of y.
+static int vnni_rows = VNNI_ROWS;
+void ds_set_vnni_rows(int rows) { vnni_rows = rows == 1 ? 1 : VNNI_ROWS; }
 #define VNNI_MAX_G 512  // 128 * G * 127 (the correction) stays exact in int32 and in fp32 lanes
 
 // xq int8 [K], dx fp32 [K/G], corr int32 [K/G] = -128 * sum(xq of group g).
@@ -60,6 +66,79 @@ static void quantize_x_q8(const float* x, int8_t* xq, float* dx, int32_t* corr, 
     dx[g] = d;
     corr[g] = -128 * _mm512_reduce_add_epi32(sum);
   }
+}
+
+// num (<= 16) scales or biases from element i on, as fp32 lanes (the rest zero).
+static inline __m512 load_scales16(const void* s, long i, int num, int kind) {
+  const __mmask16 m = (__mmask16)((1u << num) - 1);
+  if (kind == DS_SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float*)s + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)s + i);
+  if (kind == DS_SCALE_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// ---- activations rounded per 32 (llama.cpp's Q8_0 blocks): for Q8_0 and Q1_0 weights ----
+// A 64-element chunk is one VPDPBUSD whose lanes 0-7 hold its first 32 elements and 8-15 the
+// next 32. Per chunk: `init`, the int32 lanes the dot starts from: mult * -sum(xq) of each 32 in
+// lanes 0 and 8 (the kernel's correction: Q1_0 takes 1, Q8_0's flipped codes 128); `fx`, each
+// lane's dx; dx, per 32.
+typedef struct {
+  int8_t* xq;  // [K]
+  __m512i* init;  // [K / 64]
+  __m512* fx;  // [K / 64]
+  float* dx;  // [K / 32]
+} Xq32;
+
+static Xq32 quantize_x_32(const float* x, long K, int mult) {
+  Xq32 q;
+  q.xq = aligned_alloc(64, K + K / 64 * 128 + K / 32 * 8);
+  if (q.xq == NULL) abort();  // out of memory: stop rather than write through NULL
+  q.init = (__m512i*)(q.xq + K);
+  q.fx = (__m512*)(q.init + K / 64);
+  q.dx = (float*)(q.fx + K / 64);
+  int32_t* corr = (int32_t*)(q.dx + K / 32);  // -128 * sum(xq) per 32
+  quantize_x_q8(x, q.xq, q.dx, corr, K, 32);
+  for (long c = 0; c < K / 64; c++) {
+    const int32_t a = corr[2 * c] / 128 * mult, b = corr[2 * c + 1] / 128 * mult;
+    q.init[c] = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, a), 0x0100, b);
+    q.fx[c] = _mm512_mask_mov_ps(_mm512_set1_ps(q.dx[2 * c]), 0xFF00,
+                                 _mm512_set1_ps(q.dx[2 * c + 1]));
+  }
+  return q;
+}
+
+// int8 codes in groups of 32 (GGUF Q8_0 x Q8_0): a chunk holds two groups. Per 16 groups f = s *
+// dx as a vector; per chunk one VPDPBUSD of the flipped codes (w ^ 0x80) from init (-128 * sum),
+// to fp32 (|lane| <= 4 * 255 * 127 + 128 * 32 * 127: exact), one FMA with f's two groups spread
+// over the halves.
+static inline __attribute__((always_inline)) void block_vnni32(
+    const int8_t* w, const void* s, int sk, const Xq32* q, float* y, long n0, long K,
+    const int R) {
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  const long num_groups = K / 32;
+  const int8_t* rows = w + n0 * K;
+  __m512 total[VNNI_ROWS];
+  for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+  for (long g0 = 0; g0 < num_groups; g0 += 16) {
+    const int ng = num_groups - g0 < 16 ? (int)(num_groups - g0) : 16;  // even: K % 64 == 0
+    const __m512 dx = load_scales16(q->dx, g0, ng, DS_SCALE_F32);
+    __m512 f[VNNI_ROWS];
+    for (int r = 0; r < R; r++)
+      f[r] = _mm512_mul_ps(load_scales16(s, (n0 + r) * num_groups + g0, ng, sk), dx);
+    for (int c = 0; c < ng / 2; c++) {
+      const long k = (g0 + 2 * c) * 32;
+      const __m512i xv = _mm512_loadu_si512(q->xq + k), init = q->init[k / 64];
+      const __m512i lanes = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * c), 0xFF00, 2 * c + 1);
+      for (int r = 0; r < R; r++) {
+        const int8_t* p = rows + r * K + k;
+        _mm_prefetch((const char*)(p + R * K), _MM_HINT_T0);
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, xv)),
+                                   _mm512_permutexvar_ps(lanes, f[r]), total[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
 }
 
 // R rows share each xq load; the next block's codes are prefetched (as block_q8). Per group: the
@@ -93,9 +172,31 @@ static inline __attribute__((always_inline)) void block_vnni(
   for (int r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(total[r]);
 }
 
+static int q8_vnni_shape_ok(long K, long G) {  // groups of 32 (Q8_0) take block_vnni32
+  return (G == 32 && K % 64 == 0) || (G % 64 == 0 && G <= VNNI_MAX_G && K % G == 0);
+}
+
+static void gemv_q8_vnni32(const int8_t* w, const void* s, const float* x, float* y, long N,
+                           long K, int num_threads, int scale_kind) {
+  Xq32 q = quantize_x_32(x, K, 128);
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long b = 0; b < num_blocks; b++) {
+    if (R == VNNI_ROWS) block_vnni32(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, VNNI_ROWS);
+    else block_vnni32(w, s, scale_kind, &q, y, b, K, 1);
+  }
+  for (long n = num_blocks * R; n < N; n++) block_vnni32(w, s, scale_kind, &q, y, n, K, 1);
+  free(q.xq);
+}
+
 void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long N, long K,
                      long G, int num_threads, int scale_kind) {
-  if (G % 64 || K % G || G > VNNI_MAX_G) {
+  if (G == 32 && q8_vnni_shape_ok(K, G)) {
+    gemv_q8_vnni32(w, s, x, y, N, K, num_threads, scale_kind);
+    return;
+  }
+  if (!q8_vnni_shape_ok(K, G)) {
     ds_gemv_q8(w, s, x, y, N, K, G, num_threads, scale_kind);
     return;
   }
@@ -105,11 +206,15 @@ void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
   float* dx = (float*)(xq + K);
   int32_t* corr = (int32_t*)(dx + K / G);
   quantize_x_q8(x, xq, dx, corr, K, G);
-  const long num_blocks = N / VNNI_ROWS;
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b < num_blocks; b++)
-    block_vnni(w, s, scale_kind, xq, dx, corr, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
-  for (long n = num_blocks * VNNI_ROWS; n < N; n++)  // at most 3 rows
+  for (long b = 0; b < num_blocks; b++) {
+    if (R == VNNI_ROWS)
+      block_vnni(w, s, scale_kind, xq, dx, corr, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
+    else block_vnni(w, s, scale_kind, xq, dx, corr, y, b, K, G, 1);
+  }
+  for (long n = num_blocks * R; n < N; n++)  // at most 3 rows
     block_vnni(w, s, scale_kind, xq, dx, corr, y, n, K, G, 1);
   free(xq);
 }
@@ -117,9 +222,36 @@ void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
 // M activation rows (a decode batch, draft rows): each block of weight rows meets every row's
 // quantized x while it sits in L1, so the codes stream from memory once, not M times. Per (row,
 // output) the arithmetic is block_vnni's in its order: the bits of M ds_gemv_q8_vnni calls.
+static void gemm_q8_vnni32(const int8_t* w, const void* s, const float* x, float* y, long M,
+                           long N, long K, int num_threads, int scale_kind) {
+  Xq32* q = malloc(sizeof(Xq32) * M);
+  if (q == NULL) abort();
+  for (long m = 0; m < M; m++) q[m] = quantize_x_32(x + m * K, K, 128);
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long b = 0; b <= num_blocks; b++) {
+    const long n0 = b * R, rows = b < num_blocks ? R : N - n0;
+    for (long m = 0; m < M; m++) {
+      if (rows == VNNI_ROWS) {
+        block_vnni32(w, s, scale_kind, &q[m], y + m * N, n0, K, VNNI_ROWS);
+      } else {  // the last (at most 3) weight rows, one at a time as the GEMV does
+        for (long r = 0; r < rows; r++)
+          block_vnni32(w, s, scale_kind, &q[m], y + m * N, n0 + r, K, 1);
+      }
+    }
+  }
+  for (long m = 0; m < M; m++) free(q[m].xq);
+  free(q);
+}
+
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads, int scale_kind) {
-  if (G % 64 || K % G || G > VNNI_MAX_G) {
+  if (G == 32 && q8_vnni_shape_ok(K, G)) {
+    gemm_q8_vnni32(w, s, x, y, M, N, K, num_threads, scale_kind);
+    return;
+  }
+  if (!q8_vnni_shape_ok(K, G)) {
     // the bits of a ds_gemv_q8 per row
     ds_gemm_q8(w, s, x, y, M, N, K, G, num_threads, scale_kind);
     return;
@@ -131,10 +263,11 @@ void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
     float* dx = (float*)(xq + m * stride + K);
     quantize_x_q8(x + m * K, xq + m * stride, dx, (int32_t*)(dx + K / G), K, G);
   }
-  const long num_blocks = N / VNNI_ROWS;
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long b = 0; b <= num_blocks; b++) {
-    const long n0 = b * VNNI_ROWS, rows = b < num_blocks ? VNNI_ROWS : N - n0;
+    const long n0 = b * R, rows = b < num_blocks ? R : N - n0;
     for (long m = 0; m < M; m++) {
       const int8_t* q = xq + m * stride;
       const float* dx = (const float*)(q + K);
@@ -151,38 +284,12 @@ void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
 }
 
 // ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations ----
-// w = s * (2b - 1); x is rounded per 32 elements (llama.cpp's Q1_0 x Q8_0: its activations are
-// Q8_0 blocks of 32), so per 32 y += s * dx * (2 * sum(xq where b) - sum(xq)). 64 bits of a row
-// are one mask: the bytes 2 where a bit is set, 0 elsewhere (one masked move), times xq in one
-// VPDPBUSD whose lanes 0-7 hold the chunk's first 32 elements and 8-15 the next 32; the chunk's
-// `init` starts lanes 0 and 8 at -sum(xq) of their 32, and `fx` holds each lane's dx. |lane| <=
+// w = s * (2b - 1); x is rounded per 32 (Xq32), so per 32 y += s * dx * (2 * sum(xq where b) -
+// sum(xq)). 64 bits of a row are one mask: the bytes 2 where a bit is set, 0 elsewhere (one masked
+// move), times xq in one VPDPBUSD; init (-sum(xq) in lanes 0 and 8) and fx finish it. |lane| <=
 // 2 * 4 * 127 + 32 * 127: exact in int32 and fp32.
-typedef struct {
-  int8_t* xq;  // [K]
-  __m512i* init;  // [K / 64]
-  __m512* fx;  // [K / 64]
-} XqQ1;
-
-static XqQ1 quantize_x_q1(const float* x, long K) {
-  XqQ1 q;
-  q.xq = aligned_alloc(64, K + K / 64 * 128 + K / 32 * 8);
-  if (q.xq == NULL) abort();
-  q.init = (__m512i*)(q.xq + K);
-  q.fx = (__m512*)(q.init + K / 64);
-  float* dx = (float*)(q.fx + K / 64);
-  int32_t* corr = (int32_t*)(dx + K / 32);
-  quantize_x_q8(x, q.xq, dx, corr, K, 32);
-  for (long c = 0; c < K / 64; c++) {
-    q.init[c] = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0x0001, corr[2 * c] / 128);
-    q.init[c] = _mm512_mask_set1_epi32(q.init[c], 0x0100, corr[2 * c + 1] / 128);
-    q.fx[c] = _mm512_mask_mov_ps(_mm512_set1_ps(dx[2 * c]), 0xFF00,
-                                 _mm512_set1_ps(dx[2 * c + 1]));
-  }
-  return q;
-}
-
 static inline __attribute__((always_inline)) void block_q1_vnni(
-    const uint8_t* w, const void* s, int sk, const XqQ1* q, float* y, long n0, long K, long G,
+    const uint8_t* w, const void* s, int sk, const Xq32* q, float* y, long n0, long K, long G,
     const int R) {
   const __m512i two = _mm512_set1_epi8(2);
   const long num_groups = K / G, bytes = K / 8;
@@ -218,12 +325,15 @@ void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, 
     ds_gemv_q1(w, s, x, y, N, K, G, num_threads, scale_kind);
     return;
   }
-  XqQ1 q = quantize_x_q1(x, K);
-  const long num_blocks = N / VNNI_ROWS;
+  Xq32 q = quantize_x_32(x, K, 1);
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b < num_blocks; b++)
-    block_q1_vnni(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
-  for (long n = num_blocks * VNNI_ROWS; n < N; n++)
+  for (long b = 0; b < num_blocks; b++) {
+    if (R == VNNI_ROWS) block_q1_vnni(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
+    else block_q1_vnni(w, s, scale_kind, &q, y, b, K, G, 1);
+  }
+  for (long n = num_blocks * R; n < N; n++)
     block_q1_vnni(w, s, scale_kind, &q, y, n, K, G, 1);
   free(q.xq);
 }
@@ -282,14 +392,6 @@ static XqA4 xq_a4_row(const XqA4* q, long m, long K, long G) {
                 q->xs + m * (K / G), NULL};
 }
 
-// num (<= 16) scales or biases from element i on, as fp32 lanes (the rest zero).
-static inline __m512 load_scales16(const void* s, long i, int num, int kind) {
-  const __mmask16 m = (__mmask16)((1u << num) - 1);
-  if (kind == DS_SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float*)s + i);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)s + i);
-  if (kind == DS_SCALE_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // R rows share each chunk's xq loads. Per block of 16 groups: f = s * dx and b * xs as vectors;
 // per chunk: two VPDPBUSDs, the int32 lanes (|lane| <= 2 * 4 * 15 * 127) to fp32 exactly, one FMA
@@ -360,11 +462,15 @@ void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float
   XqA4 q = xq_a4_alloc(1, K, G);
   quantize_x_a4(x, &q, K, G);
   __m512i* lanes = a4_lane_groups(G);
-  const long num_blocks = N / VNNI_ROWS;
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long blk = 0; blk < num_blocks; blk++)
-    block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, blk * VNNI_ROWS, K, G, VNNI_ROWS);
-  for (long n = num_blocks * VNNI_ROWS; n < N; n++)  // at most 3 rows
+  for (long blk = 0; blk < num_blocks; blk++) {
+    if (R == VNNI_ROWS)
+      block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, blk * VNNI_ROWS, K, G, VNNI_ROWS);
+    else block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, blk, K, G, 1);
+  }
+  for (long n = num_blocks * R; n < N; n++)  // at most 3 rows
     block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, n, K, G, 1);
   free(lanes);
   free(q.mem);
@@ -384,10 +490,11 @@ void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float
     quantize_x_a4(x + m * K, &row, K, G);
   }
   __m512i* lanes = a4_lane_groups(G);
-  const long num_blocks = N / VNNI_ROWS;
+  const int R = vnni_rows;
+  const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (long blk = 0; blk <= num_blocks; blk++) {
-    const long n0 = blk * VNNI_ROWS, rows = blk < num_blocks ? VNNI_ROWS : N - n0;
+    const long n0 = blk * R, rows = blk < num_blocks ? R : N - n0;
     for (long m = 0; m < M; m++) {
       const XqA4 row = xq_a4_row(&all, m, K, G);
       if (rows == VNNI_ROWS) {
