@@ -20,15 +20,16 @@ from deltaserve.config import FULL
 from deltaserve.env import env
 from deltaserve.ops.dispatch import REFERENCE, Case, Op
 from deltaserve.ops.native import native_lib
-from deltaserve.ops.qgemv import a4_is_vnni, q1_is_vnni, q8_is_vnni, scales_of
+from deltaserve.ops.qgemv import a4_is_vnni, blocks_vnni, q1_is_vnni, q8_is_vnni, scales_of
+from deltaserve.quant.ggml_blocks import BLOCKS
 
-BF16, Q8, Q8_VNNI, A4, Q1, A4_VNNI, Q1_VNNI = range(7)
+BF16, Q8, Q8_VNNI, A4, Q1, A4_VNNI, Q1_VNNI, BLOCKS_EXACT, BLOCKS_VNNI, PARTS = range(10)
 
 
 class DsMat(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
                 ("b", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
-                ("g", ctypes.c_long), ("scale_kind", ctypes.c_int)]
+                ("g", ctypes.c_long), ("scale_kind", ctypes.c_int), ("next", ctypes.c_void_p)]
 
 
 _P = ctypes.c_void_p
@@ -91,10 +92,18 @@ class DsModel(ctypes.Structure):
 def _matrix(linear, lib, keep: list) -> DsMat | None:
     """The C description of a Linear for a batch-1 fp32 decode row, with the kernel the layered
     path would pick (ops/qgemv.qgemv, ops/gemv.gemv); None where that path is not native."""
-    if linear.reduce is not None or linear.segments is not None or linear.input_order is not None \
-            or (linear.scheme is not None and linear.scheme.is_block()):
-        return None  # GGUF blocks: the layered path's block GEMM
+    if linear.reduce is not None or linear.input_order is not None:
+        return None
+    if linear.segments is not None:
+        return _parts(linear, lib, keep)
     scheme = linear.scheme
+    if scheme is not None and scheme.is_block():  # GGUF blocks: ops/qgemv.gemm_blocks's choice
+        if not linear.weight.is_contiguous():
+            return None
+        keep.append(linear.weight)
+        kind = BLOCKS_VNNI if blocks_vnni(lib, scheme) else BLOCKS_EXACT
+        return DsMat(kind, linear.weight.data_ptr(), None, None, linear.weight.shape[0],
+                     linear.in_cols, BLOCKS[scheme.kind][0], 0)
     if scheme is None:
         w = linear.weight  # fp32 weights (validation runs) take F.linear there: not native
         if not w.is_contiguous() or w.dtype != torch.bfloat16:
@@ -123,12 +132,27 @@ def _matrix(linear, lib, keep: list) -> DsMat | None:
     return DsMat(kind, linear.weight.data_ptr(), s.data_ptr(), bias, n, k, g, scale_kind)
 
 
+def _parts(linear, lib, keep: list) -> DsMat | None:
+    """A packed Linear whose parts a GGUF quantized apart (quant/linear.quantize_parts_): a chain
+    of its parts' matrices, their outputs concatenated, as the layered path concatenates them."""
+    mats = [_matrix(part, lib, keep) for part in linear.segments]
+    if any(m is None for m in mats):
+        return None
+    for mat, following in zip(mats, mats[1:], strict=False):
+        mat.next = ctypes.addressof(following)
+    keep.extend(mats)  # the chain's structs outlive the plan
+    return DsMat(PARTS, None, None, None, sum(m.n for m in mats), linear.in_features, 0, 0,
+                 ctypes.addressof(mats[0]))
+
+
 def _rows_limit(linear) -> int:
     """Up to how many decode rows the layered path keeps this Linear on the kernels matmat runs;
     above it that path widens or dequantizes for torch's GEMM, which the plan does not run."""
     from deltaserve.layers.linear import SMALL_GEMM_MAX_ROWS
     from deltaserve.quant.linear import decode_max_rows
 
+    if linear.segments is not None:
+        return min(_rows_limit(part) for part in linear.segments)
     if linear.scheme is None:
         return SMALL_GEMM_MAX_ROWS
     return decode_max_rows(linear.scheme, linear.weight.shape[0], linear.in_cols)

@@ -242,3 +242,35 @@ def test_generation_is_unchanged_by_the_native_step(tiny_dir, monkeypatch) -> No
         llm = LLM(tiny_dir, dtype="bfloat16")
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+@pytest.fixture(scope="module")
+def gguf_q4_k_m(tmp_path_factory):
+    """A Q4_K_M mix (llama-quantize's: attn_v and ffn_down Q6_K, the rest Q4_K; tied head
+    Q4_K) on a model whose rows fill K-quant blocks and Hv = Hk (no reordered columns): the
+    attention's packed q|k|v runs as parts, every matrix on GGUF blocks."""
+    from deltaserve.quant.gguf_import import import_gguf
+    from tests.conftest import write_variant
+    from tests.quant.test_gguf_import import Q, write_gguf
+
+    root = tmp_path_factory.mktemp("q4km")
+    src = write_variant(root / "hf", 2, hidden_size=256, intermediate_size=512, vocab_size=1024,
+                        linear_value_head_dim=128, linear_key_head_dim=64,
+                        linear_num_value_heads=2)
+    mix = lambda name: Q.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight")) else Q.Q4_K  # noqa: E731
+    write_gguf(src, root / "m.gguf", mix, Q.Q4_K)
+    import_gguf(root / "m.gguf", root / "imported", tokenizer_dir=src)
+    return root / "imported"
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("exact_int8", ["0", "1"])
+def test_gguf_blocks_and_parts_match_the_layered_path(gguf_q4_k_m, exact_int8, num_seqs,
+                                                      monkeypatch) -> None:
+    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", exact_int8)  # the VNNI or exact block kernels
+    env.cache_clear()
+    lm = LLM(gguf_q4_k_m, dtype="float32").model
+    attn = lm.model.layers[3].self_attn
+    assert [p.scheme.kind for p in attn.qkv_proj.segments] == ["q4_k", "q4_k", "q6_k"]
+    assert lm.model.layers[0].mlp.down_proj.scheme.kind == "q6_k"
+    assert_native_equals_layered(lm, monkeypatch, num_seqs)

@@ -11,15 +11,18 @@
 #include "simd.h"
 
 enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4, DS_A4_VNNI = 5,
-       DS_Q1_VNNI = 6 };
+       DS_Q1_VNNI = 6, DS_BLOCKS = 7, DS_BLOCKS_VNNI = 8, DS_PARTS = 9 };
 
-typedef struct {  // y[n] = sum_k W[n,k] x[k]; W in one of the formats above
+typedef struct DsMat {  // y[n] = sum_k W[n,k] x[k]; W in one of the formats above
   int kind;
   const void* w;
   const void* s;  // per-group scales [n, k/g] (quantized kinds)
   const void* b;  // per-group biases (4-bit affine)
-  long n, k, g;
+  long n, k, g;  // GGUF blocks (DS_BLOCKS*): g is gemv_blocks.c's type id
   int scale_kind;  // of s and b: DS_SCALE_F32 / F16 / BF16 (scales.h)
+  // DS_PARTS (a packed Linear whose parts a GGUF quantized apart): its first part, each part
+  // the next one (NULL after the last); their outputs are concatenated
+  const struct DsMat* next;
 } DsMat;
 
 typedef struct {
@@ -70,6 +73,39 @@ void ds_gdn_decode_slots(const float* qkv, const float* z, const float* b, const
                          float eps, int num_threads);
 void ds_rmsnorm(const float* x, const float* w, float* y, long rows, long dim, float eps,
                 float offset, int num_threads);
+void ds_gemm_blocks(int type, const uint8_t* w, const float* x, float* y, long M, long N, long K,
+                    int num_threads);
+int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, long M, long N,
+                        long K, int num_threads);
+
+// GGUF blocks: the layered path's ops/qgemv.gemm_blocks (the VNNI kernel where it was chosen and
+// takes these rows, else the exact one), the same for one row as for M
+static void blocks(const DsMat* m, const float* x, float* y, long rows, int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (m->kind == DS_BLOCKS_VNNI &&
+      ds_gemm_blocks_vnni((int)m->g, m->w, x, y, rows, m->n, m->k, threads))
+    return;
+#endif
+  ds_gemm_blocks((int)m->g, m->w, x, y, rows, m->n, m->k, threads);
+}
+
+static void matmat(const DsMat* m, const float* x, float* y, long rows, int threads);
+
+// the parts side by side: each into its columns of y [rows, n] (the layered path's torch.cat)
+static void parts(const DsMat* m, const float* x, float* y, long rows, int threads) {
+  long off = 0;
+  for (const DsMat* p = m->next; p != NULL; p = p->next) {
+    float* tmp = rows == 1 ? y + off : malloc(sizeof(float) * rows * p->n);
+    if (tmp == NULL) abort();  // out of memory: stop rather than write through NULL
+    matmat(p, x, tmp, rows, threads);
+    if (rows > 1) {
+      for (long r = 0; r < rows; r++)
+        memcpy(y + r * m->n + off, tmp + r * p->n, sizeof(float) * p->n);
+      free(tmp);
+    }
+    off += p->n;
+  }
+}
 
 static float dot_f32(const float* a, const float* b, long n) {
   long i = 0;
@@ -108,6 +144,9 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_Q1: ds_gemv_q1(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+    case DS_BLOCKS:
+    case DS_BLOCKS_VNNI: blocks(m, x, y, 1, threads); break;
+    case DS_PARTS: parts(m, x, y, 1, threads); break;
     default: abort();  // a kind this build lacks (a VNNI plan on a build without it): never guess
   }
 }
@@ -119,6 +158,10 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 static void matmat(const DsMat* m, const float* x, float* y, long rows, int threads) {
   if (rows == 1) {
     matvec(m, x, y, threads);
+  } else if (m->kind == DS_BLOCKS || m->kind == DS_BLOCKS_VNNI) {
+    blocks(m, x, y, rows, threads);
+  } else if (m->kind == DS_PARTS) {
+    parts(m, x, y, rows, threads);
   } else if (m->kind == DS_BF16) {
     ds_gemm_bf16(m->w, x, y, rows, m->n, m->k, threads);
   } else if (m->kind == DS_Q8) {
