@@ -1,5 +1,6 @@
-"""Weight rows per block of the int8-activation GEMVs (ops/csrc/gemv_vnni.c): 4 rows share each
-load of the quantized activation, or 1 row streams alone with the next row's codes prefetched.
+"""Weight rows per block of the int8 and 4-bit int8-activation GEMVs (ops/csrc/gemv_vnni.c): 4
+rows share each load of the quantized activation, or 1 row streams alone with the next row's codes
+prefetched (q1, 8 code bytes per 64 weights, always shares: 12.4 vs 8.8 GB/s there).
 Which is faster depends on the machine's memory system (a 2-core AMD EPYC: the Q8_0 vocabulary
 head streamed 18 GB/s with 4, 38 GB/s with 1; the Xeon the 4 was tuned on preferred 4), so it is
 measured once per CPU and thread count on a weight larger than the caches (~50 ms), kept in the

@@ -32,8 +32,8 @@ void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, 
 // weights go in as w ^ 0x80 = w + 128, and -128 * sum(xq over the group) in lane 0 of the group's
 // int32 accumulator takes the 128 back out. ops/qgemv.py (qgemv_act_ref) holds the reference.
 #define VNNI_ROWS 4
-// Weight rows per block: VNNI_ROWS share each xq load, or 1, each row streamed alone with the
-// next row's codes prefetched. Which streams faster depends on the machine (a 2-core AMD EPYC:
+// Weight rows per block of the int8 and 4-bit GEMVs: VNNI_ROWS share each xq load, or 1, each row
+// streamed alone with the next row's codes prefetched (q1 always takes VNNI_ROWS). Which streams faster depends on the machine (a 2-core AMD EPYC:
 // the Q8_0 vocabulary head 18 GB/s with 4, 38 GB/s with 1); ops/native.py measures both once.
 // A row's arithmetic is the same either way: the choice never changes a bit of y.
 static int vnni_rows = VNNI_ROWS;
@@ -326,14 +326,13 @@ void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, 
     return;
   }
   Xq32 q = quantize_x_32(x, K, 1);
-  const int R = vnni_rows;
-  const long num_blocks = N / R;
+  // always VNNI_ROWS (not vnni_rows): 8 code bytes per 64 weights, so sharing x wins (4 rows
+  // 12.4 GB/s, 1 row 8.8 on the AMD EPYC where int8 prefers 1)
+  const long num_blocks = N / VNNI_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b < num_blocks; b++) {
-    if (R == VNNI_ROWS) block_q1_vnni(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
-    else block_q1_vnni(w, s, scale_kind, &q, y, b, K, G, 1);
-  }
-  for (long n = num_blocks * R; n < N; n++)
+  for (long b = 0; b < num_blocks; b++)
+    block_q1_vnni(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
+  for (long n = num_blocks * VNNI_ROWS; n < N; n++)
     block_q1_vnni(w, s, scale_kind, &q, y, n, K, G, 1);
   free(q.xq);
 }
