@@ -97,19 +97,21 @@ def hf_name(name: str, num_layers: int | None = None) -> str | None:
 def gguf_name(name: str, num_layers: int) -> str:
     """The GGUF name llama.cpp's converter gives HF tensor `name` (the inverse of hf_name; the
     MTP block goes after the model's num_layers blocks)."""
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight"}
-    if name in fixed:
-        return fixed[name]
-    nextn = {f"mtp.{v}": k for k, v in _NEXTN.items()}
-    if name in nextn:
-        return f"blk.{num_layers}.{nextn[name]}"
-    to_gguf = {v: k for k, v in _RENAME.items()}
+    if name in _TO_GGUF_FIXED:
+        return _TO_GGUF_FIXED[name]
+    if name in _TO_NEXTN:
+        return f"blk.{num_layers}.{_TO_NEXTN[name]}"
     if name.startswith("mtp.layers."):
         index, rest = name.removeprefix("mtp.layers.").split(".", 1)
-        return f"blk.{num_layers + int(index)}.{to_gguf[rest]}"
+        return f"blk.{num_layers + int(index)}.{_TO_GGUF[rest]}"
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}.{to_gguf[rest]}"
+    return f"blk.{layer}.{_TO_GGUF[rest]}"
+
+
+_TO_GGUF_FIXED = {"model.embed_tokens.weight": "token_embd.weight",
+                  "lm_head.weight": "output.weight", "model.norm.weight": "output_norm.weight"}
+_TO_NEXTN = {f"mtp.{v}": k for k, v in _NEXTN.items()}
+_TO_GGUF = {v: k for k, v in _RENAME.items()}
 
 
 def stored_plus_one(name: str) -> bool:

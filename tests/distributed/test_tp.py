@@ -59,10 +59,9 @@ def int4_dir(tiny_dir, tmp_path_factory):
     return out
 
 
-def test_tp2_equals_tp1_on_tiny(tiny_dir, int4_dir, tmp_path, monkeypatch) -> None:
-    """Dense (full head, greedy-only head) and int4 (its row-parallel codes split by groups), on
-    the exact kernels (fp32 activations), where TP only reorders fp32 sums."""
-    cases = [(str(tiny_dir), False), (str(tiny_dir), True), (str(int4_dir), False)]
+def assert_tp2_equals_tp1_exact(cases: list[tuple[str, bool]], tmp_path, monkeypatch) -> list:
+    """The cases at TP=2 and TP=1 on the exact kernels (fp32 activations, where TP only reorders
+    fp32 sums): the same logits and tokens. Returns the TP=2 results."""
     monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")  # inherited by the spawned ranks
     env.cache_clear()
     try:
@@ -71,6 +70,14 @@ def test_tp2_equals_tp1_on_tiny(tiny_dir, int4_dir, tmp_path, monkeypatch) -> No
         env.cache_clear()
     for g, r in zip(got, ref, strict=True):
         assert_same(g, r)
+    return got
+
+
+def test_tp2_equals_tp1_on_tiny(tiny_dir, int4_dir, tmp_path, monkeypatch) -> None:
+    """Dense (full head, greedy-only head) and int4 (its row-parallel codes split by groups), on
+    the exact kernels (fp32 activations), where TP only reorders fp32 sums."""
+    cases = [(str(tiny_dir), False), (str(tiny_dir), True), (str(int4_dir), False)]
+    got = assert_tp2_equals_tp1_exact(cases, tmp_path, monkeypatch)
     assert got[0]["counters"]["ffn"]["calls"] > 0  # the reductions really ran
     assert got[0]["tokens"] == got[1]["tokens"]  # greedy head == argmax of the gathered logits
 

@@ -18,10 +18,8 @@ from deltaserve.checkpoint.gguf_synthetic import write_synthetic_gguf
 from deltaserve.checkpoint.loader import load_text_model
 from deltaserve.checkpoint.presets import Preset, preset
 from deltaserve.distributed.group import TPGroup
-from deltaserve.env import env
 from deltaserve.errors import CheckpointError
-from tests.distributed.test_tp import assert_same, run_tp2
-from tests.distributed.tp_cases import reference
+from tests.distributed.test_tp import assert_tp2_equals_tp1_exact
 
 gguf = pytest.importorskip("gguf")
 
@@ -58,15 +56,8 @@ def test_tp2_runs_the_27b_layouts_as_one_process(q4_k_file, tmp_path, monkeypatc
     # llama-quantize's Q1_0 types: the 31 matrices of 3 GDN + 1 attention layers, the MTP
     # block's 7 and its fc, the embedding in Q1_0; the head Q6_K; norms, conv, A and dt F32
     assert summary["types"] == {"Q1_0": 40, "Q6_K": 1, "F32": 30}
-    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")  # inherited by the spawned ranks
-    env.cache_clear()
-    cases = [(str(q1), False), (str(q4_k_file), False)]
-    try:
-        got, ref = run_tp2(cases, tmp_path), reference(cases)
-    finally:
-        env.cache_clear()
-    for g, r in zip(got, ref, strict=True):
-        assert_same(g, r)
+    got = assert_tp2_equals_tp1_exact([(str(q1), False), (str(q4_k_file), False)], tmp_path,
+                                      monkeypatch)
     assert got[1]["counters"]["ffn"]["calls"] > 0
 
 

@@ -33,8 +33,9 @@ void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, 
 // int32 accumulator takes the 128 back out. ops/qgemv.py (qgemv_act_ref) holds the reference.
 #define VNNI_ROWS 4
 // Weight rows per block of the int8 and 4-bit GEMVs: VNNI_ROWS share each xq load, or 1, each row
-// streamed alone with the next row's codes prefetched (q1 always takes VNNI_ROWS). Which streams faster depends on the machine (a 2-core AMD EPYC:
-// the Q8_0 vocabulary head 18 GB/s with 4, 38 GB/s with 1); ops/native.py measures both once.
+// streamed alone with the next row's codes prefetched (q1 always takes VNNI_ROWS). Which streams
+// faster depends on the machine (a 2-core AMD EPYC: the Q8_0 vocabulary head 18 GB/s with 4,
+// 38 GB/s with 1); ops/gemv_rows.py measures both once.
 // A row's arithmetic is the same either way: the choice never changes a bit of y.
 static int vnni_rows = VNNI_ROWS;
 void ds_set_vnni_rows(int rows) { vnni_rows = rows == 1 ? 1 : VNNI_ROWS; }
@@ -176,111 +177,79 @@ static int q8_vnni_shape_ok(long K, long G) {  // groups of 32 (Q8_0) take block
   return (G == 32 && K % 64 == 0) || (G % 64 == 0 && G <= VNNI_MAX_G && K % G == 0);
 }
 
-static void gemv_q8_vnni32(const int8_t* w, const void* s, const float* x, float* y, long N,
-                           long K, int num_threads, int scale_kind) {
-  Xq32 q = quantize_x_32(x, K, 128);
-  const int R = vnni_rows;
-  const long num_blocks = N / R;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b < num_blocks; b++) {
-    if (R == VNNI_ROWS) block_vnni32(w, s, scale_kind, &q, y, b * VNNI_ROWS, K, VNNI_ROWS);
-    else block_vnni32(w, s, scale_kind, &q, y, b, K, 1);
+// One activation row quantized for the int8 kernels: per 32 (Xq32, groups of 32) or per group
+// (xq [K], then dx and corr [K/G]: 8 bytes per group, after whole lines since K % 64 == 0).
+typedef struct {
+  Xq32 q32;
+  int8_t* xq;
+  const float* dx;
+  const int32_t* corr;
+} XqQ8;
+
+static XqQ8 quantize_q8(const float* x, long K, long G) {
+  XqQ8 q = {0};
+  if (G == 32) {
+    q.q32 = quantize_x_32(x, K, 128);
+    q.xq = q.q32.xq;
+    return q;
   }
-  for (long n = num_blocks * R; n < N; n++) block_vnni32(w, s, scale_kind, &q, y, n, K, 1);
-  free(q.xq);
+  q.xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
+  if (q.xq == NULL) abort();  // out of memory: stop rather than write through NULL
+  float* dx = (float*)(q.xq + K);
+  int32_t* corr = (int32_t*)(dx + K / G);
+  quantize_x_q8(x, q.xq, dx, corr, K, G);
+  q.dx = dx, q.corr = corr;
+  return q;
 }
+
+// weight rows [n0, n0 + rows) against one activation row: a block of VNNI_ROWS, or row by row
+static inline void q8_rows(const int8_t* w, const void* s, int sk, const XqQ8* q, float* y,
+                           long n0, long rows, long K, long G) {
+  if (rows == VNNI_ROWS) {
+    if (G == 32) block_vnni32(w, s, sk, &q->q32, y, n0, K, VNNI_ROWS);
+    else block_vnni(w, s, sk, q->xq, q->dx, q->corr, y, n0, K, G, VNNI_ROWS);
+    return;
+  }
+  for (long r = 0; r < rows; r++) {
+    if (G == 32) block_vnni32(w, s, sk, &q->q32, y, n0 + r, K, 1);
+    else block_vnni(w, s, sk, q->xq, q->dx, q->corr, y, n0 + r, K, G, 1);
+  }
+}
+
+void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
+                     long K, long G, int num_threads, int scale_kind);
 
 void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long N, long K,
                      long G, int num_threads, int scale_kind) {
-  if (G == 32 && q8_vnni_shape_ok(K, G)) {
-    gemv_q8_vnni32(w, s, x, y, N, K, num_threads, scale_kind);
-    return;
-  }
   if (!q8_vnni_shape_ok(K, G)) {
     ds_gemv_q8(w, s, x, y, N, K, G, num_threads, scale_kind);
     return;
   }
-  // K is a multiple of 64 here: xq fills whole lines; dx and corr follow (8 bytes per group)
-  int8_t* xq = aligned_alloc(64, K + (K / G * 8 + 63) / 64 * 64);
-  if (xq == NULL) abort();  // out of memory: stop rather than write through NULL
-  float* dx = (float*)(xq + K);
-  int32_t* corr = (int32_t*)(dx + K / G);
-  quantize_x_q8(x, xq, dx, corr, K, G);
-  const int R = vnni_rows;
-  const long num_blocks = N / R;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b < num_blocks; b++) {
-    if (R == VNNI_ROWS)
-      block_vnni(w, s, scale_kind, xq, dx, corr, y, b * VNNI_ROWS, K, G, VNNI_ROWS);
-    else block_vnni(w, s, scale_kind, xq, dx, corr, y, b, K, G, 1);
-  }
-  for (long n = num_blocks * R; n < N; n++)  // at most 3 rows
-    block_vnni(w, s, scale_kind, xq, dx, corr, y, n, K, G, 1);
-  free(xq);
+  ds_gemm_q8_vnni(w, s, x, y, 1, N, K, G, num_threads, scale_kind);
 }
 
 // M activation rows (a decode batch, draft rows): each block of weight rows meets every row's
 // quantized x while it sits in L1, so the codes stream from memory once, not M times. Per (row,
-// output) the arithmetic is block_vnni's in its order: the bits of M ds_gemv_q8_vnni calls.
-static void gemm_q8_vnni32(const int8_t* w, const void* s, const float* x, float* y, long M,
-                           long N, long K, int num_threads, int scale_kind) {
-  Xq32* q = malloc(sizeof(Xq32) * M);
-  if (q == NULL) abort();
-  for (long m = 0; m < M; m++) q[m] = quantize_x_32(x + m * K, K, 128);
-  const int R = vnni_rows;
-  const long num_blocks = N / R;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b <= num_blocks; b++) {
-    const long n0 = b * R, rows = b < num_blocks ? R : N - n0;
-    for (long m = 0; m < M; m++) {
-      if (rows == VNNI_ROWS) {
-        block_vnni32(w, s, scale_kind, &q[m], y + m * N, n0, K, VNNI_ROWS);
-      } else {  // the last (at most 3) weight rows, one at a time as the GEMV does
-        for (long r = 0; r < rows; r++)
-          block_vnni32(w, s, scale_kind, &q[m], y + m * N, n0 + r, K, 1);
-      }
-    }
-  }
-  for (long m = 0; m < M; m++) free(q[m].xq);
-  free(q);
-}
-
+// output) the arithmetic is block_vnni's (block_vnni32's) in its order: one GEMV is M = 1.
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads, int scale_kind) {
-  if (G == 32 && q8_vnni_shape_ok(K, G)) {
-    gemm_q8_vnni32(w, s, x, y, M, N, K, num_threads, scale_kind);
-    return;
-  }
   if (!q8_vnni_shape_ok(K, G)) {
     // the bits of a ds_gemv_q8 per row
     ds_gemm_q8(w, s, x, y, M, N, K, G, num_threads, scale_kind);
     return;
   }
-  const long stride = K + (K / G * 8 + 63) / 64 * 64;  // per row: xq, then dx and corr
-  int8_t* xq = aligned_alloc(64, stride * M);
-  if (xq == NULL) abort();  // out of memory: stop rather than write through NULL
-  for (long m = 0; m < M; m++) {
-    float* dx = (float*)(xq + m * stride + K);
-    quantize_x_q8(x + m * K, xq + m * stride, dx, (int32_t*)(dx + K / G), K, G);
-  }
+  XqQ8* q = malloc(sizeof(XqQ8) * M);
+  if (q == NULL) abort();
+  for (long m = 0; m < M; m++) q[m] = quantize_q8(x + m * K, K, G);
   const int R = vnni_rows;
   const long num_blocks = N / R;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long b = 0; b <= num_blocks; b++) {
+  for (long b = 0; b <= num_blocks; b++) {  // the last block: the (at most 3) rows left
     const long n0 = b * R, rows = b < num_blocks ? R : N - n0;
-    for (long m = 0; m < M; m++) {
-      const int8_t* q = xq + m * stride;
-      const float* dx = (const float*)(q + K);
-      const int32_t* corr = (const int32_t*)(dx + K / G);
-      if (rows == VNNI_ROWS) {
-        block_vnni(w, s, scale_kind, q, dx, corr, y + m * N, n0, K, G, VNNI_ROWS);
-      } else {  // the last (at most 3) weight rows, one at a time as ds_gemv_q8_vnni does
-        for (long r = 0; r < rows; r++)
-          block_vnni(w, s, scale_kind, q, dx, corr, y + m * N, n0 + r, K, G, 1);
-      }
-    }
+    for (long m = 0; m < M; m++) q8_rows(w, s, scale_kind, &q[m], y + m * N, n0, rows, K, G);
   }
-  free(xq);
+  for (long m = 0; m < M; m++) free(q[m].xq);
+  free(q);
 }
 
 // ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations ----
@@ -452,31 +421,20 @@ static int a4_vnni_shape_ok(long K, long G) {  // the int8 kernel's rule
   return G % 64 == 0 && G <= VNNI_MAX_G && K % G == 0;
 }
 
+void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                     long M, long N, long K, long G, int num_threads, int scale_kind);
+
 void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                      long N, long K, long G, int num_threads, int scale_kind) {
   if (!a4_vnni_shape_ok(K, G)) {
     ds_gemv_a4(w, s, b, x, y, N, K, G, num_threads, scale_kind);
     return;
   }
-  XqA4 q = xq_a4_alloc(1, K, G);
-  quantize_x_a4(x, &q, K, G);
-  __m512i* lanes = a4_lane_groups(G);
-  const int R = vnni_rows;
-  const long num_blocks = N / R;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long blk = 0; blk < num_blocks; blk++) {
-    if (R == VNNI_ROWS)
-      block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, blk * VNNI_ROWS, K, G, VNNI_ROWS);
-    else block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, blk, K, G, 1);
-  }
-  for (long n = num_blocks * R; n < N; n++)  // at most 3 rows
-    block_a4_vnni(w, s, b, scale_kind, &q, lanes, y, n, K, G, 1);
-  free(lanes);
-  free(q.mem);
+  ds_gemm_a4_vnni(w, s, b, x, y, 1, N, K, G, num_threads, scale_kind);
 }
 
 // M activation rows: each block of weight rows meets every row's quantized x while it sits in L1;
-// per (row, output) block_a4_vnni's arithmetic in its order: the bits of M ds_gemv_a4_vnni calls.
+// per (row, output) block_a4_vnni's arithmetic in its order: one GEMV is M = 1.
 void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                      long M, long N, long K, long G, int num_threads, int scale_kind) {
   if (!a4_vnni_shape_ok(K, G)) {
@@ -498,7 +456,7 @@ void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float
       const XqA4 row = xq_a4_row(&all, m, K, G);
       if (rows == VNNI_ROWS) {
         block_a4_vnni(w, s, b, scale_kind, &row, lanes, y + m * N, n0, K, G, VNNI_ROWS);
-      } else {  // the last (at most 3) weight rows, one at a time as ds_gemv_a4_vnni does
+      } else {  // the last (at most 3) weight rows, one at a time
         for (long r = 0; r < rows; r++)
           block_a4_vnni(w, s, b, scale_kind, &row, lanes, y + m * N, n0 + r, K, G, 1);
       }
