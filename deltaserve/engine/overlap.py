@@ -27,6 +27,7 @@ import torch
 
 from deltaserve.engine.processors import NO_TOKEN
 from deltaserve.engine.scheduler import StepPlan
+from deltaserve.ops.processing import pick
 
 
 @dataclass(slots=True)
@@ -89,19 +90,24 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
 def finish(engine, flight: InFlight) -> None:
     """The processed rows' tokens of a launched step, once the step before it resolved: each
     live processed row processed (processors.process: host planning while the forward runs),
-    its argmax written over the raw row's in the step's tokens, and everything copied back."""
+    and one int64 buffer [R tokens | C finite flags | P allowed flags] filled on the device (the
+    raw argmax only where some row is not processed; the processed rows' picks over it) and
+    copied back. Few launches: on a GPU each costs host time the forward must hide."""
     logits, flight.logits = flight.logits, None
-    tokens = logits.tensor.argmax(-1)
-    parts = [tokens, logits.finite_flags().long()]
+    table, flags = logits.tensor, logits.finite_flags()
+    num, num_flags = table.shape[0], flags.shape[0]
     rids = [rid for rid in logits.rows
             if engine.live(rid) is not None and engine.live(rid).proc is not None]
+    both = torch.empty(num + num_flags + len(rids), dtype=torch.long, device=table.device)
+    if len(rids) < num:
+        torch.argmax(table, -1, out=both[:num])
+    both[num:num + num_flags].copy_(flags)
     if rids:
-        rows, index = engine.process_rows(logits.tensor, [logits.rows[rid] for rid in rids],
+        rows, index = engine.process_rows(table, [logits.rows[rid] for rid in rids],
                                           [engine.live(rid).proc for rid in rids])
-        tokens.index_copy_(0, index.long(), rows.argmax(-1))
-        parts.append(torch.isfinite(rows.amax(-1)).long())  # all -inf: no token was allowed
-    flight.tokens, flight.processed = tokens, tuple(rids)
-    flight.host, flight.event = _copy_back(engine, flight.which, torch.cat(parts))
+        pick(rows, index, both, num + num_flags)
+    flight.tokens, flight.processed = both[:num], tuple(rids)
+    flight.host, flight.event = _copy_back(engine, flight.which, both)
 
 
 def _rows(engine, plan: StepPlan, logits) -> dict[str, tuple[int, int]]:
@@ -144,8 +150,9 @@ def resolve(engine, pending: InFlight) -> list:
     values = pending.host.tolist()
     num_flags = len(pending.chunk_rids) if pending.has_flags else 0
     num = len(values) - num_flags - len(pending.processed)
-    failed = {rid: None for rid, ok in zip(pending.chunk_rids, values[num:num + num_flags],
-                                           strict=True) if not ok}
+    flagged = pending.chunk_rids if pending.has_flags else ()  # the greedy head makes no flags
+    failed = {rid: None for rid, ok in zip(flagged, values[num:num + num_flags], strict=True)
+              if not ok}
     for rid, ok in zip(pending.processed, values[num + num_flags:], strict=True):
         if not ok:
             failed.setdefault(rid, NO_TOKEN)

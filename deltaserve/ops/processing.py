@@ -1,7 +1,7 @@
 """Logits processing on the device (engine/processors.py plans it on the host): the processed rows
 as fp32 copies of the step's logits rows with their grammar masks applied, then the penalties as
-edits of single logits. Shapes: R logits rows, P processed rows, V vocabulary, K masked rows,
-W = ceil(V/32) mask words, E edits.
+edits of single logits, then each row's greedy token and flag picked in one pass. Shapes: R
+logits rows, P processed rows, V vocabulary, K masked rows, W = ceil(V/32) mask words, E edits.
 
 The mask goes first here although vLLM applies it last: a masked logit is -inf, and every later
 step keeps -inf (a finite bias added, a positive repetition factor, a finite subtraction), so the
@@ -15,6 +15,7 @@ from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
 
 MASK_ROWS = Op("mask_rows", "processed rows: fp32 copies of logits rows, grammar bitmask applied")
 PENALIZE = Op("penalize", "penalties as edits of single logits: where(x > 0, x / r, x * r) - c")
+PICK = Op("pick", "processed rows' greedy tokens and 'a token was allowed' flags into one buffer")
 
 _BITS: dict[torch.device, torch.Tensor] = {}
 
@@ -45,6 +46,15 @@ def penalize_ref(rows: torch.Tensor, at: torch.Tensor, r: torch.Tensor, c: torch
     flat[at] = torch.where(x > 0, x / r, x * r) - c
 
 
+def pick_ref(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: int) -> None:
+    """rows [P,V] fp32 processed; index [P] int32 -> out (int64, on the device) changed in place:
+    out[index[p]] = argmax(rows[p]) (the first of equal maxima, as torch.argmax), out[at + p] =
+    1 if max(rows[p]) is finite else 0 (every token masked: no token was allowed)."""
+    num = rows.shape[0]
+    out.index_copy_(0, index.long(), rows.argmax(-1))
+    out[at: at + num] = torch.isfinite(rows.amax(-1))
+
+
 def _triton_why_not(c: Case) -> str | None:
     if c.device != "cuda":
         return "not a CUDA tensor"
@@ -63,6 +73,11 @@ def penalize(rows: torch.Tensor, at: torch.Tensor, r: torch.Tensor, c: torch.Ten
         PENALIZE(case(rows), rows, at, r, c)
 
 
+def pick(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: int) -> None:
+    if rows.shape[0]:
+        PICK(case(rows), rows, index, out, at)
+
+
 @MASK_ROWS.register("triton", 30, _triton_why_not)
 def _mask_rows_triton(logits, index, mask_of, words):
     from deltaserve.ops import triton_processing
@@ -77,5 +92,13 @@ def _penalize_triton(rows, at, r, c):
     triton_processing.penalize_cuda(rows, at, r, c)
 
 
+@PICK.register("triton", 30, _triton_why_not)
+def _pick_triton(rows, index, out, at):
+    from deltaserve.ops import triton_processing
+
+    triton_processing.pick_cuda(rows, index, out, at)
+
+
 MASK_ROWS.register(REFERENCE, 0)(mask_rows_ref)
 PENALIZE.register(REFERENCE, 0)(penalize_ref)
+PICK.register(REFERENCE, 0)(pick_ref)

@@ -37,6 +37,23 @@ if triton is not None:
         x = tl.load(F + at, mask=ok, other=0.0)
         tl.store(F + at, tl.where(x > 0, tl.math.div_rn(x, r), x * r) - c, mask=ok)
 
+    @triton.jit
+    def _pick_kernel(ROWS, INDEX, OUT, V, AT, BLOCK: tl.constexpr):
+        # one program per row: a running (max, first index) over the row's blocks; a later
+        # block wins only when strictly greater, so ties keep the first index (torch.argmax)
+        p = tl.program_id(0)
+        best = float("-inf")
+        arg = 0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(ROWS + p.to(tl.int64) * V + cols, mask=cols < V, other=float("-inf"))
+            m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            if m > best:
+                best = m
+                arg = start + i
+        tl.store(OUT + tl.load(INDEX + p).to(tl.int64), arg.to(tl.int64))
+        tl.store(OUT + AT + p, (best > float("-inf")).to(tl.int64))
+
 
 def mask_rows_cuda(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
                    words: torch.Tensor) -> torch.Tensor:
@@ -53,3 +70,9 @@ def mask_rows_cuda(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Ten
 def penalize_cuda(rows: torch.Tensor, at: torch.Tensor, r: torch.Tensor, c: torch.Tensor) -> None:
     block = 256
     _penalize_kernel[(triton.cdiv(at.numel(), block),)](rows, at, r, c, at.numel(), BLOCK=block)
+
+
+def pick_cuda(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: int) -> None:
+    if not rows.is_contiguous() or out.dtype != torch.int64:
+        raise ValueError("pick_cuda needs contiguous fp32 rows and an int64 out")
+    _pick_kernel[(rows.shape[0],)](rows, index, out, rows.shape[-1], at, BLOCK=BLOCK)

@@ -1,6 +1,7 @@
 """Triton logits processing against ops/processing.mask_rows_ref and penalize_ref (run on the
 H200): bit-exact, on fresh random rows, masks with sign bits, a vocabulary that does not fill its
-last word, rows taken out of order, and edits on both signs of x."""
+last word, rows taken out of order, edits on both signs of x, and the pick's ties and rows with
+no token allowed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve.ops import triton_processing
-from deltaserve.ops.processing import mask_rows_ref, penalize_ref
+from deltaserve.ops.processing import mask_rows_ref, penalize_ref, pick_ref
 from tests.ops.triton_device import KDEV, needs_kernels
 
 pytestmark = pytest.mark.gpu
@@ -43,3 +44,25 @@ def test_penalize_matches_reference(edits) -> None:
     triton_processing.penalize_cuda(got, at, r, c)
     penalize_ref(want, at, r, c)
     assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [248320, 4097, 37])
+def test_pick_matches_reference(vocab) -> None:
+    """Tokens land at the rows' places in the step's buffer, flags after it; ties keep the first
+    index (also across blocks), a row masked everywhere is flagged 0."""
+    gen = torch.Generator(device=KDEV).manual_seed(vocab)
+    rows = torch.randn(5, vocab, device=KDEV, generator=gen)
+    rows[rows < 0.5] = float("-inf")  # masked tokens
+    rows[1] = float("-inf")  # nothing allowed
+    top = rows[2].max() + 1
+    rows[2, [vocab - 1, vocab // 2, 3]] = top  # a tie across blocks: the first wins
+    rows[3, [7, 8]] = rows[3].max() + 1  # a tie inside one block
+    index = torch.tensor([4, 0, 6, 1, 2], dtype=torch.int32, device=KDEV)
+    fill = torch.full((7 + 3 + 5,), -5, dtype=torch.int64, device=KDEV)
+    got, want = fill.clone(), fill.clone()
+    triton_processing.pick_cuda(rows, index, got, 10)
+    pick_ref(rows, index, want, 10)
+    assert torch.equal(got, want)
+    assert got[10:].tolist() == [1, 0, 1, 1, 1] and got[6] == 3 and got[1] == 7
+    assert (got[[3, 5, 7, 8, 9]] == -5).all()  # rows not processed and other slots untouched
