@@ -137,7 +137,9 @@ def main() -> None:
               "flags": flags(), "xgrammar": version("xgrammar"), "model": args.model,
               "peer": "none (issue 33 asks for the mask's share of our own decode step)",
               "compile": compile_times(llm), "batches": {}}
-    print("compile", json.dumps(record["compile"]), flush=True)
+    out = Path(args.out)
+    out.write_text(json.dumps(record, indent=1))  # rewritten after each part: a timeout keeps
+    print("compile", json.dumps(record["compile"]), flush=True)  # what was measured
     for batch in map(int, args.batches.split(",")):
         for constrained in (False, True):  # warm-up: kernels compiled, graphs captured
             decode_rate(llm, batch, constrained, 64)
@@ -153,6 +155,7 @@ def main() -> None:
                "processing_share_of_step": cost["median_ms"] / step_ms}
         record["batches"][batch] = row
         print("batch", batch, json.dumps(row), flush=True)
+        out.write_text(json.dumps(record, indent=1))
     if args.baseline:
         here = str(Path(__file__).resolve().parents[2])
         ours, base = [], []
@@ -163,7 +166,7 @@ def main() -> None:
                                           "ratio_of_medians": statistics.median(ours)
                                           / statistics.median(base)}
         print("free b1", json.dumps(record["free_b1_decode_tok_s"]), flush=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+        out.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
