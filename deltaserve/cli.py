@@ -131,7 +131,7 @@ def _parser_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--stop-temp", type=float, default=85.0,
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
-    EngineArgs.add_cli_args(bench, ("model", "tp", "pp"), dtype_default="bfloat16")
+    EngineArgs.add_cli_args(bench, ("model", "tp", "pp"))
 
 
 def _parser_serve(sub: argparse._SubParsersAction) -> None:

@@ -60,6 +60,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from deltaserve.checkpoint.hub import resolve_model_dir
 
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    if args.dtype == "auto":  # the checkpoint's own dtype (float32 for a quantized GGUF)
+        from deltaserve.checkpoint.loader import resolve_dtype
+        from deltaserve.checkpoint.reader import read_config
+
+        args.dtype = str(resolve_dtype("auto", read_config(model_dir))).removeprefix("torch.")
     if getattr(args, "prefill_lens", None) is None:
         args.prefill_lens = "512,2048" if args.device == "cpu" else GPU_TIERS
     if getattr(args, "tp", 1) != 1 or getattr(args, "pp", 1) != 1:
@@ -78,8 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
             check_split(model_dir, args.tp)
     if args.device != "cpu":
         return _gpu(args, model_dir)
-    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-    args.dtype = dtype
+    dtype = args.dtype
     print(
         f"bench: {model_dir} {dtype} prefill {args.prefill_lens}, decode {args.decode_tokens} tokens",
         file=sys.stderr,

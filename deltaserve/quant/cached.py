@@ -71,7 +71,7 @@ def _once(out: Path, build) -> bool:
     return True
 
 
-GGUF_IMPORTER_VERSION = 3  # a changed importer gets a fresh copy
+GGUF_IMPORTER_VERSION = 4  # a changed importer gets a fresh copy
 
 
 def gguf_copy(parts: list[Path], log=print) -> Path:

@@ -154,6 +154,7 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
     config = _config(meta, readers)
     tensors, schemes = _tensors(readers, config, dequantize)
     config["quantization"] = _block(schemes)
+    config["dtype"] = _dtype(readers, config, dequantize)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -250,6 +251,19 @@ def _tensors(readers, cfg: dict, dequantize: bool = False
                 f"{', '.join(_FLOAT_TYPES + tuple(_SCHEMES))}"
             )
     return tensors, schemes
+
+
+def _dtype(readers, cfg: dict, dequantize: bool) -> str:
+    """What `--dtype auto` loads: the file's own float type of its largest float matrix; float32
+    where every matrix is quantized (the vectors left are F32 in the file, and llama.cpp computes
+    them in F32 too: narrowing them cost both accuracy and, on CPU, casts per op) and for a
+    dequantized import (its values are the dequantizer's fp32)."""
+    floats = [(int(np.prod(t.shape)), t.tensor_type.name) for r in readers for t in r.tensors
+              if t.tensor_type.name in _FLOAT_TYPES
+              and _is_matrix(hf_name(t.name, cfg["num_hidden_layers"]) or "")]
+    if dequantize or not floats:
+        return "float32"
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[max(floats)[1]]
 
 
 def _is_matrix(name: str) -> bool:

@@ -31,14 +31,15 @@ from deltaserve.ops.native import isa_paths  # noqa: E402
 def ours(model: str, threads: int, prompt: int, tokens: int, repeats: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
-                        "bfloat16", "--prefill-lens", str(prompt or ""), "--decode-tokens",
+                        "auto", "--prefill-lens", str(prompt or ""), "--decode-tokens",
                         str(tokens), "--repeats", str(repeats), "--peer", "none", "--out", f.name],
                        check=True, capture_output=True,
                        env={**os.environ, "DELTASERVE_NUM_THREADS": str(threads)})
         rec = json.loads(Path(f.name).read_text())
     eng = rec["engines"]["deltaserve"]
-    out = {"decode_tok_s": eng["decode_tok_s"], "roofline_pct": eng.get("roofline_pct"),
-           "memory_read_gbs": rec["memory_read_gbs"], "bytes_per_token": eng.get("bytes_per_token")}
+    out = {"dtype": rec.get("dtype"), "decode_tok_s": eng["decode_tok_s"],
+           "roofline_pct": eng.get("roofline_pct"), "memory_read_gbs": rec["memory_read_gbs"],
+           "bytes_per_token": eng.get("bytes_per_token")}
     if prompt:
         out[f"prefill_{prompt}_tok_s"] = eng[f"prefill_{prompt}_tok_s"]
     return out

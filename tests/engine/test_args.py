@@ -40,7 +40,7 @@ COMMANDS = {
     "generate": (("model", "tp", "pp", "speculative"), "auto"),
     "chat": (("model",), "auto"),
     "validate": (("model",), "float32"),
-    "bench": (("model", "tp", "pp"), "bfloat16"),
+    "bench": (("model", "tp", "pp"), "auto"),
     "serve": (("model", "tp", "speculative", "batching", "images"), "auto"),
     "gate": (("model",), "float32"),
     "needle": (("model",), "float32"),

@@ -240,6 +240,27 @@ def test_the_dequantized_import_holds_the_files_values(tmp_path, qtype) -> None:
     assert logits_rel(src, ref, tmp_path / "imported", tmp_path) <= 1e-5
 
 
+@pytest.mark.parametrize(("qtype", "embed_qtype", "dequant", "want"),
+                         [("Q4_0", "Q8_0", False, "float32"), ("F32", "BF16", False, "bfloat16"),
+                          ("BF16", "BF16", False, "bfloat16"), ("BF16", "F32", False, "float32"),
+                          ("Q4_K", "Q8_0", True, "float32")])
+def test_auto_dtype_is_the_files_own(tmp_path, qtype, embed_qtype, dequant, want) -> None:
+    """--dtype auto loads what the file holds: its largest float matrix's type (the embedding
+    here); float32 where every matrix is quantized (the norms and GDN vectors left are F32 in the
+    file) and for a dequantized import."""
+    from deltaserve.checkpoint.loader import resolve_dtype
+    from deltaserve.checkpoint.reader import read_config
+
+    src = default_model_dir()
+    write_gguf(src, tmp_path / "m.gguf", Q[qtype], Q[embed_qtype])
+    import_gguf(tmp_path / "m.gguf", tmp_path / "imported", tokenizer_dir=src, dequantize=dequant)
+    assert resolve_dtype("auto", read_config(tmp_path / "imported")) == getattr(torch, want)
+    if want == "float32":
+        llm = LLM(tmp_path / "imported")
+        norms = [p for n, p in llm.model.named_parameters() if n.endswith("norm.weight")]
+        assert norms and all(p.dtype == torch.float32 for p in norms)
+
+
 def test_bad_gguf_files_are_clear_errors(tmp_path, capsys) -> None:
     src = default_model_dir()
     write_gguf(src, tmp_path / "m.gguf", Q.Q8_0, Q.Q8_0)
