@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
-from deltaserve.engine.processors import NO_TOKEN, Processor, Staging, process
+from deltaserve.engine.processors import (
+    NO_TOKEN,
+    Processor,
+    Staged,
+    Staging,
+    processed_rows,
+    stage,
+)
 from deltaserve.engine.request import ImageInputs, Request, Status
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams, make_generator, sample_rows
@@ -286,9 +293,14 @@ class Engine:
     def process_rows(self, table: torch.Tensor, rows: list[int],
                      procs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """processors.process with the engine's grammars and staging buffers."""
+        s = self.stage_rows(table, rows, procs)
+        return processed_rows(table, s, procs), s.index
+
+    def stage_rows(self, table: torch.Tensor, rows: list[int], procs: list) -> Staged:
+        """processors.stage with the engine's grammars and staging buffers."""
         if self._staging is None:
             self._staging = Staging(pin=table.device.type == "cuda")
-        return process(table, rows, procs, self._grammars, self._staging)
+        return stage(table, rows, procs, self._grammars, self._staging)
 
     def _logprobs(self, logits: StepLogits, sampled: dict[str, int]) -> dict[str, tuple]:
         """For requests that asked: log_softmax of their raw logits rows, the sampled token's

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltaserve.engine.processors import NO_TOKEN
+from deltaserve.engine.processors import NO_TOKEN, processed_rows
 from deltaserve.engine.scheduler import StepPlan
-from deltaserve.ops.processing import pick
+from deltaserve.ops.processing import mask_pick, pick
 
 
 @dataclass(slots=True)
@@ -89,23 +89,30 @@ def launch(engine, plan: StepPlan, pending: InFlight | None) -> InFlight:
 
 def finish(engine, flight: InFlight) -> None:
     """The processed rows' tokens of a launched step, once the step before it resolved: each
-    live processed row processed (processors.process: host planning while the forward runs),
-    and one int64 buffer [R tokens | C finite flags | P allowed flags] filled on the device (the
-    raw argmax only where some row is not processed; the processed rows' picks over it) and
-    copied back. Few launches: on a GPU each costs host time the forward must hide."""
+    live processed row planned on the host (processors.stage, while the forward runs), and one
+    int64 buffer [R tokens | C finite flags | P allowed flags] filled on the device and copied
+    back. When every row is processed with grammar masks only (the usual constrained step), one
+    kernel picks the tokens and both flags (ops/processing.mask_pick); otherwise the raw argmax
+    where some row is not processed, the finite flags, and the processed rows' picks over them.
+    Few launches: on a GPU each costs host time the forward must hide."""
     logits, flight.logits = flight.logits, None
-    table, flags = logits.tensor, logits.finite_flags()
-    num, num_flags = table.shape[0], flags.shape[0]
+    table = logits.tensor
+    num, num_flags = table.shape[0], len(logits.chunk_rids)
     rids = [rid for rid in logits.rows
             if engine.live(rid) is not None and engine.live(rid).proc is not None]
+    procs = [engine.live(rid).proc for rid in rids]
     both = torch.empty(num + num_flags + len(rids), dtype=torch.long, device=table.device)
-    if len(rids) < num:
-        torch.argmax(table, -1, out=both[:num])
-    both[num:num + num_flags].copy_(flags)
-    if rids:
-        rows, index = engine.process_rows(table, [logits.rows[rid] for rid in rids],
-                                          [engine.live(rid).proc for rid in rids])
-        pick(rows, index, both, num + num_flags)
+    staged = engine.stage_rows(table, [logits.rows[rid] for rid in rids], procs) if rids else None
+    rows_are_chunks = num == num_flags and all(
+        logits.rows.get(rid) == i for i, rid in enumerate(logits.chunk_rids))
+    if staged is not None and staged.mask_only and len(rids) == num and rows_are_chunks:
+        mask_pick(table, staged.index, staged.mask_of, staged.words, both, num + num_flags, num)
+    else:
+        if len(rids) < num:
+            torch.argmax(table, -1, out=both[:num])
+        both[num:num + num_flags].copy_(logits.finite_flags())
+        if staged is not None:
+            pick(processed_rows(table, staged, procs), staged.index, both, num + num_flags)
     flight.tokens, flight.processed = both[:num], tuple(rids)
     flight.host, flight.event = _copy_back(engine, flight.which, both)
 

@@ -12,6 +12,8 @@ one the grammar does not see).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -117,13 +119,32 @@ class Staging:
         return buf[:numel]
 
 
-def process(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars=None,
-            staging: Staging | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the processed rows [P,V] fp32 of the logits table [R,V], rows as an int32 tensor [P] on
-    the table's device): row p is table[rows[p]] as procs[p] changes it (table untouched). The
-    host plans first (grammar masks filled, the penalties' edits listed), before anything waits
-    for the table, so on a GPU that work runs while the step's forward does; then one copy and
-    two kernels (ops/processing.py)."""
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A step's processing as planned on the host, on the table's device: index [P] int32 (the
+    logits row of processed row p), mask_of [P] int32 (its row of words, -1: none), words [K,W]
+    int32 grammar bitmasks, the penalties' edits (at [E] int32 flat indices, r and c [E] fp32),
+    and whether some row needs the rarely used per-row edits (processors._per_row)."""
+
+    index: torch.Tensor
+    mask_of: torch.Tensor
+    words: torch.Tensor
+    at: torch.Tensor
+    r: torch.Tensor
+    c: torch.Tensor
+    per_row: bool
+
+    @property
+    def mask_only(self) -> bool:
+        """Only grammar masks apply: ops/processing.mask_pick can pick the tokens in one pass."""
+        return not self.per_row and self.at.numel() == 0
+
+
+def stage(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars=None,
+          staging: Staging | None = None) -> Staged:
+    """Plan the processing of table's rows [P of R, V] on the host (grammar masks filled, the
+    penalties' edits listed) before anything waits for the table, so on a GPU that work runs while
+    the step's forward does, then copy it to the device in one transfer."""
     vocab = table.shape[-1]
     num = len(rows)
     if num * vocab >= 2**31:
@@ -151,13 +172,29 @@ def process(table: torch.Tensor, rows: list[int], procs: list[Processor], gramma
         at += n
     dev = buf.to(table.device, non_blocking=True) if table.device.type != "cpu" else buf
     base = 2 * num + len(constrained) * words_n
-    out = mask_rows(table, dev[:num], dev[num:2 * num],
-                    dev[2 * num: base].view(len(constrained), words_n))
-    _per_row(out, procs)
-    penalize(out, dev[base: base + num_edits],
-             dev[base + num_edits: base + 2 * num_edits].view(torch.float32),
-             dev[base + 2 * num_edits: base + 3 * num_edits].view(torch.float32))
-    return out, dev[:num]
+    return Staged(dev[:num], dev[num:2 * num], dev[2 * num: base].view(len(constrained), words_n),
+                  dev[base: base + num_edits],
+                  dev[base + num_edits: base + 2 * num_edits].view(torch.float32),
+                  dev[base + 2 * num_edits: base + 3 * num_edits].view(torch.float32),
+                  any(_has_row_edits(proc) for proc in procs))
+
+
+def process(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars=None,
+            staging: Staging | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the processed rows [P,V] fp32 of the logits table [R,V], rows as an int32 tensor [P] on
+    the table's device): row p is table[rows[p]] as procs[p] changes it (table untouched). The
+    host plans first (stage), then two kernels (ops/processing.py) and the per-row edits."""
+    s = stage(table, rows, procs, grammars, staging)
+    return processed_rows(table, s, procs), s.index
+
+
+def processed_rows(table: torch.Tensor, s: Staged, procs: list[Processor]) -> torch.Tensor:
+    """The staged rows of table processed: [P,V] fp32 copies (table untouched)."""
+    out = mask_rows(table, s.index, s.mask_of, s.words)
+    if s.per_row:
+        _per_row(out, procs)
+    penalize(out, s.at, s.r, s.c)
+    return out
 
 
 def apply(rows: torch.Tensor, procs: list[Processor], grammars=None) -> torch.Tensor:
@@ -191,6 +228,12 @@ def _per_row(rows: torch.Tensor, procs: list[Processor]) -> None:
             row.index_fill_(0, proc.stop_ids, neg)
         if proc.bias is not None:
             row.index_add_(0, proc.bias[0], proc.bias[1])
+
+
+def _has_row_edits(proc: Processor) -> bool:
+    """Whether _per_row changes this row (its checks, without the work)."""
+    return (proc.banned is not None or bool(proc.bad_words) or proc.bias is not None
+            or proc.num_out < proc.params.min_tokens)
 
 
 def _edits(proc: Processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

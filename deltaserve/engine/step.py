@@ -32,14 +32,17 @@ class StepLogits(Mapping[str, torch.Tensor]):
         self.verify_record = None  # spec.rollback.VerifyRecord of the step, if it verified
         self.hidden = None  # [T,N] every row's final-normed hidden, when the runner keeps them
         self.are_tokens = logits.dtype == torch.int64  # the greedy head's output: [rows] tokens
-        # per chunk: all logits finite; a device tensor, read with the sampler's own host copy
-        self._finite = None if self.are_tokens else torch.isfinite(logits).all(dim=-1)
-        self._failed: frozenset[str] | None = None if self._finite is not None else frozenset()
+        # per chunk: all logits finite; a device tensor, read with the sampler's own host copy.
+        # Made on first use (before the next forward reuses the buffer): a processed overlapped
+        # step takes its flags from its pick instead (overlap.finish), two launches fewer
+        self._finite: torch.Tensor | None = None
+        self._failed: frozenset[str] | None = frozenset() if self.are_tokens else None
 
     def failed_with(self, head: torch.Tensor | None) -> tuple[frozenset[str], list[int]]:
         """(requests whose logits went non-finite, head.tolist()) in one device-to-host copy."""
         if self._failed is not None:
             return self._failed, [] if head is None else head.tolist()
+        self.finite_flags()
         both = self._finite.long() if head is None else torch.cat([head, self._finite.long()])
         values = both.tolist()
         cut = len(values) - len(self.chunk_rids)
@@ -49,6 +52,8 @@ class StepLogits(Mapping[str, torch.Tensor]):
 
     def finite_flags(self) -> torch.Tensor | None:
         """[chunks] bool on the device, all logits of the chunk finite (None for head tokens)."""
+        if self._finite is None and not self.are_tokens:
+            self._finite = torch.isfinite(self.tensor).all(dim=-1)
         return self._finite
 
     @property

@@ -16,6 +16,8 @@ from deltaserve.ops.dispatch import REFERENCE, Case, Op, case
 MASK_ROWS = Op("mask_rows", "processed rows: fp32 copies of logits rows, grammar bitmask applied")
 PENALIZE = Op("penalize", "penalties as edits of single logits: where(x > 0, x / r, x * r) - c")
 PICK = Op("pick", "processed rows' greedy tokens and 'a token was allowed' flags into one buffer")
+MASK_PICK = Op("mask_pick", "mask_rows then pick in one pass, with each row's finite flag, when "
+               "no penalty or per-row edit applies")
 
 _BITS: dict[torch.device, torch.Tensor] = {}
 
@@ -55,6 +57,17 @@ def pick_ref(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: int
     out[at: at + num] = torch.isfinite(rows.amax(-1))
 
 
+def mask_pick_ref(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
+                  words: torch.Tensor, out: torch.Tensor, at: int, finite_at: int) -> None:
+    """pick_ref(mask_rows_ref(logits, index, mask_of, words), index, out, at), and out[finite_at
+    + index[p]] = 1 if every raw logit of row index[p] is finite else 0 (the step's finite flags,
+    when its rows are its chunks): the masked rows are never written out. A row whose logits are
+    not all finite fails on that flag: its token and allowed flag are unspecified."""
+    pick_ref(mask_rows_ref(logits, index, mask_of, words), index, out, at)
+    finite = torch.isfinite(logits.index_select(0, index.long())).all(-1)
+    out.index_copy_(0, index.long() + finite_at, finite.long())
+
+
 def _triton_why_not(c: Case) -> str | None:
     if c.device != "cuda":
         return "not a CUDA tensor"
@@ -78,6 +91,12 @@ def pick(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: int) ->
         PICK(case(rows), rows, index, out, at)
 
 
+def mask_pick(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
+              words: torch.Tensor, out: torch.Tensor, at: int, finite_at: int) -> None:
+    if index.shape[0]:
+        MASK_PICK(case(logits), logits, index, mask_of, words, out, at, finite_at)
+
+
 @MASK_ROWS.register("triton", 30, _triton_why_not)
 def _mask_rows_triton(logits, index, mask_of, words):
     from deltaserve.ops import triton_processing
@@ -99,6 +118,14 @@ def _pick_triton(rows, index, out, at):
     triton_processing.pick_cuda(rows, index, out, at)
 
 
+@MASK_PICK.register("triton", 30, _triton_why_not)
+def _mask_pick_triton(logits, index, mask_of, words, out, at, finite_at):
+    from deltaserve.ops import triton_processing
+
+    triton_processing.mask_pick_cuda(logits, index, mask_of, words, out, at, finite_at)
+
+
 MASK_ROWS.register(REFERENCE, 0)(mask_rows_ref)
 PENALIZE.register(REFERENCE, 0)(penalize_ref)
 PICK.register(REFERENCE, 0)(pick_ref)
+MASK_PICK.register(REFERENCE, 0)(mask_pick_ref)

@@ -54,6 +54,35 @@ if triton is not None:
         tl.store(OUT + tl.load(INDEX + p).to(tl.int64), arg.to(tl.int64))
         tl.store(OUT + AT + p, (best > float("-inf")).to(tl.int64))
 
+    @triton.jit
+    def _mask_pick_kernel(L, INDEX, MASK_OF, WORDS, OUT, V, L_ROW, W, AT, FINITE_AT,
+                          BLOCK: tl.constexpr):
+        # _mask_rows_kernel and _pick_kernel in one program per row (the masked row is never
+        # stored), plus whether every raw logit of the row is finite
+        p = tl.program_id(0)
+        row = tl.load(INDEX + p).to(tl.int64)
+        m = tl.load(MASK_OF + p).to(tl.int64)
+        best = float("-inf")
+        arg = 0
+        finite = 1
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < V
+            x = tl.load(L + row * L_ROW + cols, mask=ok, other=0.0).to(tl.float32)
+            bad = tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
+            finite = tl.where(bad > 0, 0, finite)
+            x = tl.where(ok, x, float("-inf"))
+            if m >= 0:
+                w = tl.load(WORDS + m * W + cols // 32, mask=ok, other=0)
+                x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
+            mx, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            if mx > best:
+                best = mx
+                arg = start + i
+        tl.store(OUT + row, arg.to(tl.int64))
+        tl.store(OUT + AT + p, (best > float("-inf")).to(tl.int64))
+        tl.store(OUT + FINITE_AT + row, finite.to(tl.int64))
+
 
 def mask_rows_cuda(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
                    words: torch.Tensor) -> torch.Tensor:
@@ -76,3 +105,12 @@ def pick_cuda(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, at: in
     if not rows.is_contiguous() or out.dtype != torch.int64:
         raise ValueError("pick_cuda needs contiguous fp32 rows and an int64 out")
     _pick_kernel[(rows.shape[0],)](rows, index, out, rows.shape[-1], at, BLOCK=BLOCK)
+
+
+def mask_pick_cuda(logits: torch.Tensor, index: torch.Tensor, mask_of: torch.Tensor,
+                   words: torch.Tensor, out: torch.Tensor, at: int, finite_at: int) -> None:
+    if logits.stride(-1) != 1 or not words.is_contiguous() or out.dtype != torch.int64:
+        raise ValueError("mask_pick_cuda needs unit inner strides and an int64 out")
+    _mask_pick_kernel[(index.shape[0],)](logits, index, mask_of, words, out, logits.shape[-1],
+                                         logits.stride(0), words.shape[-1], at, finite_at,
+                                         BLOCK=BLOCK)

@@ -190,3 +190,43 @@ def test_processed_requests_run_ahead_with_the_plain_engines_tokens(tiny_llm) ->
     assert plain["r3"][1].isdigit() and len(plain["r3"][1]) == 3, plain["r3"]
     assert plain["r4"][1] in ("alpha", "beta gamma"), plain["r4"]
     assert plain["r1"][0] != plain["r0"][0] or prompts["r1"] == prompts["r0"]
+
+
+def test_grammar_only_steps_take_the_fused_pick_and_fail_a_nan_row_alone(tiny_llm,
+                                                                         monkeypatch) -> None:
+    """Every row grammar-constrained with nothing else to apply: the run-ahead steps pick tokens
+    and both flags in one pass (ops/processing.mask_pick) and give the plain engine's outputs; a
+    row whose logits go NaN fails alone, with the non-finite reason, not the grammar's."""
+    from deltaserve.engine import overlap
+    from deltaserve.structured.params import StructuredOutputsParams as S
+
+    prompts = prompts_of([9, 14, 6], seed=61)
+    params = {"r0": SamplingParams(temperature=0.0, max_tokens=12,
+                                   structured_outputs=S(regex="[0-9]{2}-[a-z]{3}")),
+              "r1": SamplingParams(temperature=0.0, max_tokens=12,
+                                   structured_outputs=S(choice=("alpha", "beta gamma"))),
+              "r2": SamplingParams(temperature=0.0, max_tokens=12,
+                                   structured_outputs=S(json={"type": "boolean"}))}
+    arrivals = {0: [(rid, prompts[rid], params[rid]) for rid in params]}
+    plain = drive(make_engine(tiny_llm), arrivals)
+    fused = []
+    mask_pick = overlap.mask_pick
+    monkeypatch.setattr(overlap, "mask_pick", lambda *a: (fused.append(1), mask_pick(*a)))
+    assert drive(overlapped(tiny_llm), arrivals) == plain
+    assert len(fused) >= 3
+    assert plain["r1"][1] in ("alpha", "beta gamma") and plain["r2"][1] in ("true", "false")
+
+    head, steps = tiny_llm.model.head_out, []
+
+    def poison(h, greedy=False):  # r0's row of the third all-decode step goes NaN
+        out = head(h, greedy)
+        steps.append(1)
+        if len(steps) == 4:
+            out = out.clone()
+            out[0, 3] = float("nan")
+        return out
+
+    monkeypatch.setattr(tiny_llm.model, "head_out", poison)
+    got = drive(overlapped(tiny_llm), arrivals)
+    assert got["r0"][2] == "error" and got["r0"][3] == "non-finite logits"
+    assert got["r1"] == plain["r1"] and got["r2"] == plain["r2"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve.ops import triton_processing
-from deltaserve.ops.processing import mask_rows_ref, penalize_ref, pick_ref
+from deltaserve.ops.processing import mask_pick_ref, mask_rows_ref, penalize_ref, pick_ref
 from tests.ops.triton_device import KDEV, needs_kernels
 
 pytestmark = pytest.mark.gpu
@@ -66,3 +66,33 @@ def test_pick_matches_reference(vocab) -> None:
     assert torch.equal(got, want)
     assert got[10:].tolist() == [1, 0, 1, 1, 1] and got[6] == 3 and got[1] == 7
     assert (got[[3, 5, 7, 8, 9]] == -5).all()  # rows not processed and other slots untouched
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [248320, 4097, 37])
+def test_mask_pick_matches_reference(dtype, vocab) -> None:
+    """The fused mask + pick: the same tokens and allowed flags as mask_rows then pick, each
+    row's raw finite flag at finite_at + its row, rows with NaN or inf logits flagged 0, a row
+    masked everywhere flagged not allowed, ties across blocks keeping the first index."""
+    gen = torch.Generator(device=KDEV).manual_seed(vocab + 1)
+    logits = (torch.randn(5, vocab, device=KDEV, generator=gen) * 4).to(dtype)
+    words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32,
+                          device=KDEV, generator=gen)
+    words[1] = 0  # row 1 below: nothing allowed
+    words[2] = -1  # everything allowed: a tie across blocks on row 2
+    top = logits[2].float().max() + 8
+    logits[2, [vocab - 1, vocab // 2, 3]] = top.to(dtype)
+    logits[4, vocab - 2] = float("nan")
+    logits[3, 0] = float("inf")
+    index = torch.tensor([4, 1, 2, 0, 3], dtype=torch.int32, device=KDEV)
+    mask_of = torch.tensor([0, 1, 2, -1, 0], dtype=torch.int32, device=KDEV)
+    fill = torch.full((5 + 5 + 5,), -5, dtype=torch.int64, device=KDEV)
+    got, want = fill.clone(), fill.clone()
+    triton_processing.mask_pick_cuda(logits, index, mask_of, words, got, 10, 5)
+    mask_pick_ref(logits, index, mask_of, words, want, 10, 5)
+    assert got[5:10].tolist() == want[5:10].tolist() == [1, 1, 1, 0, 0]  # rows 3, 4 not finite
+    finite = [0, 1, 2]  # rows with finite logits: the reference's tokens and allowed flags
+    assert got[finite].tolist() == want[finite].tolist()
+    assert got[[11, 12, 13]].tolist() == want[[11, 12, 13]].tolist() == [0, 1, 1]
+    assert got[2] == 3  # the first of the tie
