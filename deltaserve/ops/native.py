@@ -128,7 +128,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds_gemm_blocks.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [
         ctypes.c_int]
     lib.ds_gemm_blocks.restype = None
-    if getattr(lib, "ds_gemm_blocks_vnni", None) is not None:  # AVX512-VNNI builds only
+    if getattr(lib, "ds_gemm_blocks_vnni", None) is not None:  # AVX512-VNNI or AVX2 builds
         lib.ds_gemm_blocks_vnni.argtypes = lib.ds_gemm_blocks.argtypes
         lib.ds_gemm_blocks_vnni.restype = ctypes.c_int
     if getattr(lib, "ds_set_vnni_rows", None) is not None:
@@ -168,13 +168,14 @@ def simd_lanes() -> int:
 
 # the kernels whose symbols exist only where their instruction set was built
 _ISA_SYMBOLS = {"vnni-int8": "ds_gemv_q8_vnni", "vnni-int4": "ds_gemv_a4_vnni",
-                "amx-bf16": "ds_gemm_amx"}
+                "int8-blocks": "ds_gemm_blocks_vnni", "amx-bf16": "ds_gemm_amx"}
 
 
 def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
     """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512"
     or "avx2" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
-    hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs); "amx-bf16" (the AMX GEMM,
+    hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs); "int8-blocks" (the GGUF
+    block GEMMs on int8 activations: VNNI, or AVX2's maddubs); "amx-bf16" (the AMX GEMM,
     which also needs the kernel's grant at run time: ops/gemm_amx.available). () without kernels;
     "unknown" first for a library without ds_simd_isa (built before it)."""
     lib = lib if lib is not None else native_lib()

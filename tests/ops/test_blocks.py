@@ -65,7 +65,7 @@ def test_native_gemm_matches_the_reference_and_rows_keep_their_bits(kind, activa
     y = gemm_blocks(x, {"weight": w}, scheme)
     int8 = blocks_vnni(native_lib(), scheme)
     assert int8 == (activations != "exact" and kind in ("q4_k", "q5_k", "q6_k", "iq4_xs") and
-                    "vnni-int8" in isa_paths())
+                    "int8-blocks" in isa_paths())
     want = blocks_act_ref(x, {"weight": w}, scheme) if int8 else \
         x.double() @ dequantize_blocks(w, kind).double().T
     assert rel(y, want) <= 1e-6

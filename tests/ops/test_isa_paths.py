@@ -40,12 +40,15 @@ def macros(march: str) -> set[str]:
 
 def paths_of(have: set[str], names: dict[str, str]) -> tuple[str, ...]:
     """The paths csrc/*.c build given the features in `have`, spelled through `names` (feature ->
-    macro or cpuinfo flag): the same conditions as simd.h, scales.h, gemv_vnni.c, gemm_amx.c."""
+    macro or cpuinfo flag): the same conditions as simd.h, scales.h, gemv_vnni.c, gemv_blocks_*.c,
+    gemm_amx.c."""
     on = {feature for feature, name in names.items() if name in have}
     vector = "avx512" if "avx512f" in on else "avx2" if {"avx2", "fma"} <= on else "scalar"
     paths = [vector, *(["f16c"] if "f16c" in on else [])]
     if {"avx512vnni", "avx512bw"} <= on:
         paths += ["vnni-int8", "vnni-int4"]
+    if {"avx512vnni", "avx512bw"} <= on or {"avx2", "fma"} <= on:  # gemv_blocks_{vnni,avx2}.c
+        paths.append("int8-blocks")
     if {"amx_tile", "amx_bf16", "avx512bf16"} <= on and sys.platform == "linux":
         paths.append("amx-bf16")
     return tuple(paths)

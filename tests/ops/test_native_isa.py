@@ -144,3 +144,39 @@ def test_block_decoders_and_gemm(lib, kind) -> None:
     lib.ds_gemm_blocks(ctypes.c_int(kid), ptr(w), ptr(x[2:]), ptr(one), L(1), L(9), L(512),
                        ctypes.c_int(2))
     assert torch.equal(one[0], y[2])
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "iq4_xs"])
+def test_block_gemm_on_int8_activations(lib, request, kind) -> None:
+    """The int8-activation block GEMM of this build (gemv_blocks_avx2.c on AVX2: VPMADDUBSW; none
+    on plain x86-64): x rounded per 32 as blocks_act_ref says, within fp32 rounding of it, rows
+    of zeros and a group of zeros, odd row counts, each row its bits at any M; a NaN in x fails
+    only its row."""
+    from deltaserve.ops.native import _declare
+    from deltaserve.ops.qgemv import blocks_act_ref
+    from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
+    from deltaserve.quant.schemes import Scheme
+    from tests.ops.test_blocks import blocks_of
+
+    if "haswell" not in request.node.callspec.id:
+        assert not hasattr(lib, "ds_gemm_blocks_vnni")  # plain x86-64: the exact kernels only
+        return
+    _declare(lib)
+    kid, scheme = BLOCKS[kind][0], Scheme(kind, BLOCKS[kind][3], BLOCKS[kind][1])
+    w = blocks_of(kind, 37, 768, seed=11 + len(kind))
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4)) * 3
+    x[1, 40:70] = 0.0  # a group of zeros: its step is zero, not NaN
+    x[3] = 0.0
+    y = torch.empty(5, 37)
+    assert lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x), ptr(y), 5, 37, 768, 2) == 1
+    assert rel(y.double(), blocks_act_ref(x, {"weight": w}, scheme).double()) <= 1e-6
+    exact = x.double() @ dequantize_blocks(w, kind).double().T
+    assert 1e-4 < rel(y.double(), exact) < 0.02 and torch.equal(y[3], torch.zeros(37))
+    for r in (0, 4):
+        one = torch.empty(1, 37)
+        lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x[r:r + 1].contiguous()), ptr(one), 1, 37, 768, 2)
+        assert torch.equal(one[0], y[r])
+    x[2, 5] = float("nan")
+    lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x), ptr(y), 5, 37, 768, 2)
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+    assert lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x), ptr(y), 5, 37, 700, 2) == 0  # K % 256

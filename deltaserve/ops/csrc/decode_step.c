@@ -78,10 +78,11 @@ void ds_gemm_blocks(int type, const uint8_t* w, const float* x, float* y, long M
 int ds_gemm_blocks_vnni(int type, const uint8_t* w, const float* x, float* y, long M, long N,
                         long K, int num_threads);
 
-// GGUF blocks: the layered path's ops/qgemv.gemm_blocks (the VNNI kernel where it was chosen and
+// GGUF blocks: the layered path's ops/qgemv.gemm_blocks (the int8-activation kernel where it was chosen and
 // takes these rows, else the exact one), the same for one row as for M
 static void blocks(const DsMat* m, const float* x, float* y, long rows, int threads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+  // gemv_blocks_vnni.c, or gemv_blocks_avx2.c on AVX2 builds
   if (m->kind == DS_BLOCKS_VNNI &&
       ds_gemm_blocks_vnni((int)m->g, m->w, x, y, rows, m->n, m->k, threads))
     return;
