@@ -23,8 +23,14 @@ needs_vnni_int8 = pytest.mark.skipif(
 needs_vnni_int4 = pytest.mark.skipif(
     "vnni-int4" not in PATHS, reason=_WHY.format("int8-activation int4 GEMV", "AVX512-VNNI")
 )
-without_vnni_int8 = pytest.mark.skipif(
-    "vnni-int8" in PATHS, reason="the VNNI int8 GEMV is built here: the fallback is not used"
+# the int8 GEMV on int8 activations of either build (AVX512-VNNI, or AVX2's maddubs)
+needs_int8_act = pytest.mark.skipif(
+    not {"vnni-int8", "avx2-int8"} & set(PATHS),
+    reason=_WHY.format("int8-activation int8 GEMV", "AVX512-VNNI and AVX2"),
+)
+without_int8_act = pytest.mark.skipif(
+    bool({"vnni-int8", "avx2-int8"} & set(PATHS)),
+    reason="an int8-activation int8 GEMV is built here: the fallback is not used",
 )
 # built and granted by Linux (ops/gemm_amx._kernel asks for the tile state)
 needs_amx = pytest.mark.skipif(

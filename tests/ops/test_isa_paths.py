@@ -46,9 +46,9 @@ def paths_of(have: set[str], names: dict[str, str]) -> tuple[str, ...]:
     vector = "avx512" if "avx512f" in on else "avx2" if {"avx2", "fma"} <= on else "scalar"
     paths = [vector, *(["f16c"] if "f16c" in on else [])]
     if {"avx512vnni", "avx512bw"} <= on:
-        paths += ["vnni-int8", "vnni-int4"]
-    if {"avx512vnni", "avx512bw"} <= on or {"avx2", "fma"} <= on:  # gemv_blocks_{vnni,avx2}.c
-        paths.append("int8-blocks")
+        paths += ["vnni-int8", "vnni-int4", "int8-blocks"]
+    elif {"avx2", "fma"} <= on:  # gemv_q8_avx2.c, gemv_blocks_avx2.c
+        paths += ["avx2-int8", "int8-blocks"]
     if {"amx_tile", "amx_bf16", "avx512bf16"} <= on and sys.platform == "linux":
         paths.append("amx-bf16")
     return tuple(paths)

@@ -180,3 +180,45 @@ def test_block_gemm_on_int8_activations(lib, request, kind) -> None:
     lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x), ptr(y), 5, 37, 768, 2)
     assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
     assert lib.ds_gemm_blocks_vnni(kid, ptr(w), ptr(x), ptr(y), 5, 37, 700, 2) == 0  # K % 256
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_int8_gemv_on_int8_activations(lib, request, group, scale_dtype) -> None:
+    """The int8-activation int8 GEMV of this build (gemv_q8_avx2.c on AVX2; none on plain
+    x86-64): qgemv_act_ref's integers within fp32 rounding, codes of -128 included, a zero group,
+    the multi-row kernel giving each row its GEMV's bits, a NaN reaching only its row, groups it
+    does not take (16) sent to the exact kernel."""
+    from deltaserve.ops.qgemv import qgemv_act_ref
+    from deltaserve.quant.schemes import Scheme
+
+    if "haswell" not in request.node.callspec.id:
+        assert not hasattr(lib, "ds_gemv_q8_vnni")
+        return
+    scheme = Scheme("int8", 8, group)
+    gen = torch.Generator().manual_seed(group)
+    rows, cols = 203, 1024
+    w = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
+    s = (torch.rand(rows, cols // group, generator=gen) * 0.01).to(scale_dtype)
+    x = torch.randn(3, cols, generator=gen) * 2
+    x[0, 128:256] = 0.0
+    ref = torch.cat([qgemv_act_ref(x[r:r + 1], {"weight": w, "scales": s.float()}, scheme)
+                     for r in range(3)])
+    one = torch.empty(3, rows)
+    for r in range(3):
+        lib.ds_gemv_q8_vnni(ptr(w), ptr(s), ptr(x[r]), ptr(one[r]), L(rows), L(cols), L(group), 2,
+                            SCALE_KINDS[scale_dtype])
+    assert rel(one.double(), ref.double()) <= 1e-5
+    multi = torch.empty(3, rows)
+    lib.ds_gemm_q8_vnni(ptr(w), ptr(s), ptr(x), ptr(multi), L(3), L(rows), L(cols), L(group), 2,
+                        SCALE_KINDS[scale_dtype])
+    assert torch.equal(multi, one)
+    x[1, 7] = float("nan")
+    lib.ds_gemm_q8_vnni(ptr(w), ptr(s), ptr(x), ptr(multi), L(3), L(rows), L(cols), L(group), 2,
+                        SCALE_KINDS[scale_dtype])
+    assert multi[1].isnan().all() and torch.equal(multi[[0, 2]], one[[0, 2]])
+    exact, fallback = torch.empty(rows), torch.empty(rows)
+    s16 = torch.rand(rows, cols // 16, generator=gen)
+    lib.ds_gemv_q8(ptr(w), ptr(s16), ptr(x[2]), ptr(exact), L(rows), L(cols), L(16), 2, 0)
+    lib.ds_gemv_q8_vnni(ptr(w), ptr(s16), ptr(x[2]), ptr(fallback), L(rows), L(cols), L(16), 2, 0)
+    assert torch.equal(exact, fallback)

@@ -19,7 +19,7 @@ from deltaserve.ops.qgemv import (
     quantize_act,
 )
 from deltaserve.quant.schemes import FORMATS, INT8, Scheme, dequantize, quantize
-from tests.isa import needs_vnni_int8, without_vnni_int8
+from tests.isa import needs_int8_act, needs_vnni_int8, without_int8_act
 
 SCHEMES = {**FORMATS, "int8-g32": Scheme("int8", 8, 32), "affine8": Scheme("affine", 8, 64)}
 
@@ -63,7 +63,8 @@ def test_native_quantized_kernels_are_built_here() -> None:
 
 
 def vnni(x: torch.Tensor, p: dict, group: int = 64) -> torch.Tensor:
-    """The VNNI kernel itself (qgemv's dispatch may pick the exact one for a shape)."""
+    """The int8-activation kernel itself, VNNI or AVX2 (qgemv's dispatch may pick the exact one
+    for a shape)."""
     out = torch.empty(1, p["weight"].shape[0])
     native_lib().ds_gemv_q8_vnni(p["weight"].data_ptr(), p["scales"].data_ptr(), x.data_ptr(),
                                  out.data_ptr(), p["weight"].shape[0], x.shape[-1], group, 2,
@@ -75,7 +76,7 @@ def vnni(x: torch.Tensor, p: dict, group: int = 64) -> torch.Tensor:
 VNNI_SHAPES = [(37, 384), (203, 896), (1000, 1024), (5, 3584)]
 
 
-@needs_vnni_int8
+@needs_int8_act
 @pytest.mark.parametrize(("rows", "cols", "group"), [(*s, 64) for s in VNNI_SHAPES] + [(203, 896, 128)])
 def test_vnni_kernel_matches_the_int8_activation_reference(rows, cols, group) -> None:
     scheme = Scheme("int8", 8, group)
@@ -91,7 +92,7 @@ def test_vnni_kernel_matches_the_int8_activation_reference(rows, cols, group) ->
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
 
 
-@needs_vnni_int8
+@needs_int8_act
 @pytest.mark.parametrize(("rows", "cols"), VNNI_SHAPES[:3])
 def test_vnni_kernel_is_within_activation_quantization_of_the_spec(rows, cols) -> None:
     """x rounded to 1/127 of its group's absmax: rel-L2 ~0.6% on gaussian data (rms of a uniform
@@ -103,7 +104,7 @@ def test_vnni_kernel_is_within_activation_quantization_of_the_spec(rows, cols) -
     assert ((vnni(x, p) - ref).norm() / ref.norm()).item() <= 1.5e-2
 
 
-@needs_vnni_int8
+@needs_int8_act
 def test_vnni_kernel_survives_zero_groups_and_huge_dynamic_range() -> None:
     torch.manual_seed(3)
     p = packed_random(203, 1024, INT8)
@@ -120,7 +121,7 @@ def test_vnni_kernel_survives_zero_groups_and_huge_dynamic_range() -> None:
     assert vnni(poisoned, p).isnan().all() and qgemv_ref(poisoned, p, INT8).isnan().all()
 
 
-@needs_vnni_int8
+@needs_int8_act
 def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
     torch.manual_seed(5)
     p, x = packed_random(1000, 1024, INT8), torch.randn(1, 1024)
@@ -232,9 +233,9 @@ def test_rows_per_block_never_change_a_bit(monkeypatch) -> None:
         gemv_rows.configure(lib)
 
 
-@without_vnni_int8
+@without_int8_act
 def test_int8_decode_without_vnni_is_exact_whatever_the_knob(monkeypatch) -> None:
-    """A build without the VNNI kernel (AVX2, scalar) never picks it: int8 decode keeps fp32
+    """A build without an int8-activation kernel (scalar) never picks one: int8 decode keeps fp32
     activations with DELTASERVE_EXACT_INT8_ACT unset, the bits it gives with the knob set."""
     torch.manual_seed(5)
     p, x = packed_random(1000, 1024, INT8), torch.randn(1, 1024)

@@ -126,9 +126,9 @@ void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, 
                 long M, long N, long K, long G, int num_threads, int scale_kind);
 void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M, long N, long K,
                 long G, int num_threads, int scale_kind);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads, int scale_kind);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                      long M, long N, long K, long G, int num_threads, int scale_kind);
 #endif
@@ -138,8 +138,11 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
   switch (m->kind) {
     case DS_BF16: ds_gemv_bf16(m->w, x, y, m->n, m->k, threads); break;
     case DS_Q8: ds_gemv_q8(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+    // gemv_vnni.c, or gemv_q8_avx2.c on AVX2 builds
     case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_Q1_VNNI: ds_gemv_q1_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
@@ -169,9 +172,11 @@ static void matmat(const DsMat* m, const float* x, float* y, long rows, int thre
     ds_gemm_q8(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
   } else if (m->kind == DS_A4) {
     ds_gemm_a4(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   } else if (m->kind == DS_Q8_VNNI) {
     ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   } else if (m->kind == DS_A4_VNNI) {
     ds_gemm_a4_vnni(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
 #endif
