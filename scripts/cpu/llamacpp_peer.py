@@ -73,7 +73,8 @@ def main() -> None:
     # the knobs that restrict our kernels and torch's to an instruction set (an AVX2-only
     # machine emulated on a larger one), as the runs below inherit them
     isa_env = {k: os.environ[k] for k in ("DELTASERVE_CPU_MARCH", "ATEN_CPU_CAPABILITY",
-                                          "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+                                          "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                                          "DELTASERVE_EXACT_INT8_ACT")
                if k in os.environ}
     record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
               "device": device_info("cpu"), "threads": args.threads, "prompt": args.prompt,
