@@ -46,10 +46,12 @@ def packed(rows: int, cols: int, name: str) -> dict:
 
 
 def test_the_build_reports_its_vector_lanes(lib, request) -> None:
-    """16 with AVX2 + FMA; 0 for plain x86-64, where the multi-row kernels are not preferred."""
+    """16 with AVX2 + FMA (and its int8-activation kernels); 0 for plain x86-64, where the
+    multi-row kernels are not preferred."""
     arch = request.node.callspec.params["lib"]
     assert lib.ds_simd_lanes() == (16 if arch == "haswell" else 0)
-    assert isa_paths(lib) == (("avx2", "f16c") if arch == "haswell" else ("scalar",))
+    assert isa_paths(lib) == (("avx2", "f16c", "avx2-int8", "int8-blocks") if arch == "haswell"
+                              else ("scalar",))
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 100)])
