@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from deltaserve.cli_serve import add_serve_parser, resolve_serve_args
 from deltaserve.engine.args import EngineArgs
 from deltaserve.errors import DeltaserveError
 
@@ -43,14 +44,17 @@ def _image_args(p: argparse.ArgumentParser, how: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltaserve import __version__
+
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _parser_generate(sub)
     _parser_chat(sub)
     _parser_make_checkpoint(sub)
     _parser_validate(sub)
     _parser_bench(sub)
-    _parser_serve(sub)
+    add_serve_parser(sub)
     _parser_quantize(sub)
     _parser_import_gguf(sub)
     _parser_gate(sub)
@@ -132,35 +136,6 @@ def _parser_bench(sub: argparse._SubParsersAction) -> None:
                        help="GPU: abort above this temperature (C); clocks are never changed")
     bench.add_argument("--out", default=None, help="write the JSON record here too")
     EngineArgs.add_cli_args(bench, ("model", "tp", "pp"))
-
-
-def _parser_serve(sub: argparse._SubParsersAction) -> None:
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None,
-                    help="require this key (Authorization: Bearer or X-Api-Key) on every "
-                         "endpoint but /health and /v1/models")
-    sv.add_argument("--served-model-name", default=None,
-                    help="the model id clients send (default: the checkpoint folder's name)")
-    sv.add_argument("--quant", choices=["int8", "int4", "q1"], default=None,
-                    help="serve a quantized copy of a float checkpoint (converted once into the "
-                         "cache folder, reused on later starts)")
-    sv.add_argument("--max-body-mb", type=float, default=32.0,
-                    help="request body limit in MiB (images travel as base64 data: URLs)")
-    sv.add_argument("--idle-unload-min", type=float, default=5.0,
-                    help="free the model after this many idle minutes, reload it on the next "
-                         "request (default 5; 0 = never)")
-    sv.add_argument("--max-prompt-chars", type=int, default=None,
-                    help="refuse longer prompts before tokenizing them (default: what the "
-                         "context can hold: max-model-len x the longest token's characters)")
-    sv.add_argument("--special-tokens-in-content", action="store_true",
-                    help="special-token strings in chat messages (<|im_start|>...) become "
-                         "control tokens (default: encoded as plain text)")
-    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before "
-                         "they are ended with an error (a second signal exits at once)")
-    EngineArgs.add_cli_args(sv, ("model", "tp", "speculative", "batching", "images"))
 
 
 def _parser_quantize(sub: argparse._SubParsersAction) -> None:
@@ -305,15 +280,33 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed flags; a mistake exits 2 with the subcommand's usage and one line (argparse
+    reports unknown flags at the top level otherwise)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = commands.choices[args.command]
+    if extra:
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        command.error("--threads must be at least 1")
+    if args.command == "serve":
+        resolve_serve_args(command, args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:  # a client of a running server: its own flags
         from deltaserve.bench.serve import main as bench_serve
 
         return bench_serve(argv[2:])
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if getattr(args, "gpu_backend", None):  # the env knob is the one place engines read it from
         os.environ["DELTASERVE_GPU_BACKEND"] = args.gpu_backend
+    if getattr(args, "threads", None) is not None:
+        os.environ["DELTASERVE_NUM_THREADS"] = str(args.threads)
     if getattr(args, "tp_compress", None):
         os.environ["DELTASERVE_TP_COMPRESS"] = args.tp_compress
     try:

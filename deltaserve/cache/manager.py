@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.cache.batch import SNAP_GRID
+from deltaserve.cache.options import PREFIX_SNAPSHOTS
 from deltaserve.cache.pools import KVPool, PoolSizes, StatePool
 from deltaserve.cache.prefix import PrefixCache
 from deltaserve.cache.scratch import Scratch
 
-PREFIX_SNAPSHOTS = ("sparse", "grid")  # CacheConfig.prefix_snapshots: cache/prefix.py
 # the finest snapshot grid: fla's GDN scan chunk, so a snapshot falls on a chunk boundary
 PREFIX_GRANULARITY = SNAP_GRID
 # tokens per KV block: the largest block that still ends at every grid position, so a prefix hit

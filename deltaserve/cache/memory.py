@@ -36,9 +36,12 @@ class MemoryReport:
                 f"headroom {self.headroom_bytes / GiB:.2f} GiB")
 
 
-def available_bytes(device: torch.device) -> int:
+def available_bytes(device: torch.device, share: float | None = None) -> int:
+    """Free memory now; on CUDA with `share` (--gpu-memory-utilization), what is left of that
+    share of the whole card after everything held already (this process's weights among it)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return free if share is None else max(0, int(share * total) - (total - free))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -107,19 +110,22 @@ def unit_bytes(model, block_len: int, kv_dtype: torch.dtype | None = None) -> tu
 
 
 def plan(model, max_model_len: int, num_slots: int, kv_cache_bytes: int, block_len: int,
-         max_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-         graph_bytes: int = 0) -> tuple[int, MemoryReport]:
+         max_batched_tokens: int, kv_dtype: torch.dtype | None = None, graph_bytes: int = 0,
+         memory_share: float | None = None) -> tuple[int, MemoryReport]:
     """KV blocks for the pools, and the report. Every slot may reach max_model_len until
     kv_cache_bytes binds; at least one max_model_len sequence always. On CUDA (memory allocated
     up front) the blocks are cut to what fits, or refused below one sequence; CPU pools are
     touched only as used, so there the report is advice. graph_bytes: what the long prefill
-    graphs keep (engine/prefill_graph.graph_scratch_bytes), counted as scratch too."""
+    graphs keep (engine/prefill_graph.graph_scratch_bytes), counted as scratch too. memory_share
+    (CUDA, --gpu-memory-utilization): no kv_cache_bytes cap; the KV cache takes what that share of
+    the card leaves, up to every slot at max_model_len."""
     device = model.device
     per_slot, per_block = unit_bytes(model, block_len, kv_dtype)
     per_seq = -(-max_model_len // block_len)
-    want = max(per_seq, min(per_seq * num_slots, kv_cache_bytes // max(per_block, 1)))
+    cap = kv_cache_bytes // max(per_block, 1) if memory_share is None else per_seq * num_slots
+    want = max(per_seq, min(per_seq * num_slots, cap))
     scratch = scratch_estimate(model, max_batched_tokens) + graph_bytes
-    avail = available_bytes(device)
+    avail = available_bytes(device, memory_share)
     blocks = want
     if device.type == "cuda":
         blocks = fit_blocks(per_slot, per_block, block_len, num_slots, want, per_seq, scratch, avail)

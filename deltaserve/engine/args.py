@@ -10,12 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltaserve.cache.manager import PREFIX_SNAPSHOTS
+from deltaserve.cache.options import PREFIX_SNAPSHOTS
 from deltaserve.errors import ConfigError, RequestError
-from deltaserve.multimodal.inputs import ImageLimits
+from deltaserve.multimodal.limits import ImageLimits
 from deltaserve.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype and --kv-cache-dtype
+# the other spellings vLLM and llama.cpp users type, each to one of DTYPES
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16",
+                 "float": "float32", "fp32": "float32", "f32": "float32"}
+GENERATION_CONFIGS = ("auto", "vllm")  # --generation-config, or a folder
 GPU_BACKENDS = ("auto", "triton", "portable")  # --gpu-backend (DELTASERVE_GPU_BACKEND, env.py)
 # the flag groups a command can take: "model" (which checkpoint, where, how long a context), "tp",
 # "pp", "speculative", "batching" (slots, step budget, queue, caches) and "images" (limits)
@@ -49,6 +53,12 @@ class EngineArgs:
     kv_cache_bytes: int = 4 << 30  # KV pool cap (also cut to the device's free memory)
     kv_cache_dtype: str = "auto"  # K/V pool dtype, one of DTYPES; auto = the activation dtype
     greedy_head: bool = False  # argmax-only head: logits never exist, sampling is refused
+    # CUDA: the share of the GPU's memory this engine may hold (weights, scratch and a KV cache
+    # grown to fill it, vLLM's meaning); None = kv_cache_bytes caps the KV cache
+    gpu_memory_utilization: float | None = None
+    # sampling defaults: "auto" = the checkpoint's generation_config.json, "vllm" = none (the
+    # request's values or SamplingParams' own), or a folder holding a generation_config.json
+    generation_config: str = "auto"
     tensor_parallel_size: int | None = None  # ranks per layer; None = the launch's world size
     pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of layers
     layer_split: tuple[int, ...] | None = None  # layers per pipeline rank, e.g. (10, 14); None = even
@@ -70,6 +80,16 @@ class EngineArgs:
         if self.kv_cache_dtype not in DTYPES:
             raise RequestError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got "
                                f"{self.kv_cache_dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"gpu_memory_utilization applies to CUDA devices, not "
+                              f"{self.device!r}: CPU pools take memory only as they are used")
+        gen = self.generation_config
+        if gen not in GENERATION_CONFIGS and not (Path(gen) / "generation_config.json").is_file():
+            raise ConfigError(f"generation_config {gen!r}: give auto (the checkpoint's), vllm "
+                              "(none) or a folder holding a generation_config.json")
         spec = self.speculative_config
         if self.pipeline_parallel_size != 1 and spec is not None and spec.method == "mtp":
             raise ConfigError("speculative method 'mtp' is not supported with pipeline "
@@ -101,9 +121,12 @@ class EngineArgs:
 
         kwargs: dict[str, Any] = {}
         for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "prefix_snapshots", "kv_cache_dtype"):
+                     "max_num_batched_tokens", "prefix_snapshots", "kv_cache_dtype",
+                     "gpu_memory_utilization", "generation_config"):
             if hasattr(args, name):
                 kwargs[name] = getattr(args, name)
+        if getattr(args, "enable_prefix_caching", None) is False:
+            kwargs["prefix_cache_bytes"] = 0
         if hasattr(args, "max_queue"):
             kwargs["max_waiting"] = args.max_queue
         if hasattr(args, "tp"):  # --tp 1 (the default) leaves the size to the launch, as LLM's None
@@ -133,15 +156,43 @@ def _image_limits(args: argparse.Namespace) -> ImageLimits:
 _DEFAULTS = EngineArgs()
 
 
+def dtype_arg(value: str) -> str:
+    """--dtype's value as one of DTYPES (vLLM's half / bf16 / float spellings too)."""
+    name = DTYPE_ALIASES.get(value.strip().lower(), value.strip().lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a dtype here: choose {', '.join(DTYPES)} (or half, fp16, bf16, "
+            "float, fp32)")
+    return name
+
+
+def kv_dtype_arg(value: str) -> str:
+    if value.strip().lower().startswith("fp8"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: fp8 KV caches are not supported; K/V are kept in float32, bfloat16 or "
+            "float16 (auto: the activation dtype)")
+    return dtype_arg(value)
+
+
 def _model_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
     p.add_argument("--model", "-m", default=_DEFAULTS.model,
-                   help="checkpoint folder or hub id (default: the embedded default model)")
-    p.add_argument("--dtype", choices=DTYPES, default=dtype_default,
-                   help=f"weight dtype (default {dtype_default}; auto: the checkpoint's)")
+                   help="checkpoint folder, .gguf file or hub id (default: the embedded default "
+                   "model)")
+    p.add_argument("--dtype", type=dtype_arg, default=dtype_default, metavar="DTYPE",
+                   help=f"weight dtype: {', '.join(DTYPES)} or half / bf16 / float (default "
+                   f"{dtype_default}; auto: the checkpoint's)")
     p.add_argument("--device", default=_DEFAULTS.device,
                    help=f"torch device (default {_DEFAULTS.device})")
-    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, metavar="N",
-                   help="context limit in tokens (default: the model's)")
+    p.add_argument("--max-model-len", "-c", "--ctx-size", dest="max_model_len", type=int,
+                   default=_DEFAULTS.max_model_len, metavar="N",
+                   help="context limit in tokens (default: the model's; -c / --ctx-size as "
+                   "llama.cpp)")
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
+                   help="CPU threads (default: torch's; same as DELTASERVE_NUM_THREADS)")
+    p.add_argument("--generation-config", default=_DEFAULTS.generation_config,
+                   metavar="auto|vllm|FOLDER",
+                   help="sampling defaults: the checkpoint's generation_config.json (auto), "
+                   "none (vllm), or the one in FOLDER")
     p.add_argument("--gpu-backend", choices=GPU_BACKENDS, default=None,
                    help="CUDA kernels: triton (sm_80+) or portable torch/cuBLAS (default: auto; "
                    "same as DELTASERVE_GPU_BACKEND)")
@@ -179,9 +230,10 @@ def _speculative_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
 
 def _batching_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
     d = _DEFAULTS
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+    p.add_argument("--max-num-seqs", "-np", "--parallel", dest="max_num_seqs", type=int,
+                   default=d.max_num_seqs, metavar="N",
                    help=f"sequences in flight together, one state slot each (default "
-                   f"{d.max_num_seqs})")
+                   f"{d.max_num_seqs}; -np / --parallel as llama.cpp)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    metavar="N", help="per-step token budget, the longest prefill chunk (default: "
                    "8192 on CUDA unless its scratch would shorten the KV cache, else 2048)")
@@ -191,9 +243,17 @@ def _batching_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
     p.add_argument("--prefix-snapshots", default=d.prefix_snapshots, choices=PREFIX_SNAPSHOTS,
                    help="where prompts keep prefix-cache snapshots: their end and where they "
                    "branch from an earlier prompt (sparse, default), or every 64 tokens (grid)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=DTYPES,
-                   help="dtype of the attention layers' K/V pool (default auto: the activation "
-                   "dtype)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, type=kv_dtype_arg,
+                   metavar="DTYPE",
+                   help=f"dtype of the attention layers' K/V pool: {', '.join(DTYPES)} (default "
+                   "auto: the activation dtype; fp8 is refused)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="the exact prefix-state cache (default: on; "
+                   "--no-enable-prefix-caching turns it off)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="CUDA: the share of the GPU's memory the engine may hold, the KV cache "
+                   "grown to fill it (default: the KV cache capped at "
+                   f"{d.kv_cache_bytes >> 30} GiB)")
 
 
 def _image_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:

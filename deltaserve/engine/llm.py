@@ -92,8 +92,16 @@ class LLM:
         self._engine = None
 
     def _generation_config(self) -> dict[str, Any]:
-        path = self.model_dir / "generation_config.json"
-        return read_json(path, "generation_config.json") if path.is_file() else {}
+        """generation_config.json of the checkpoint, or of EngineArgs.generation_config's folder;
+        under "vllm" only its end-of-sequence ids (they say where the model stops, not how it
+        samples)."""
+        choice = self.engine_args.generation_config
+        folder = self.model_dir if choice in ("auto", "vllm") else Path(choice)
+        path = folder / "generation_config.json"
+        config = read_json(path, "generation_config.json") if path.is_file() else {}
+        if choice == "vllm":
+            return {k: v for k, v in config.items() if k == "eos_token_id"}
+        return config
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -351,7 +359,8 @@ def _plan(llm: LLM, args: EngineArgs, kv_dtype: torch.dtype | None, ranks_agree:
         graph_bytes = 0 if mtp else graph_scratch_bytes(llm.model, batched_tokens, KV_BLOCK_LEN)
         return plan(llm.model, llm.max_model_len, num_slots=args.max_num_seqs,
                     kv_cache_bytes=args.kv_cache_bytes, block_len=KV_BLOCK_LEN,
-                    max_batched_tokens=batched_tokens, kv_dtype=kv_dtype, graph_bytes=graph_bytes)
+                    max_batched_tokens=batched_tokens, kv_dtype=kv_dtype, graph_bytes=graph_bytes,
+                    memory_share=args.gpu_memory_utilization)
 
     if args.max_num_batched_tokens is None:
         return _default_batched_tokens(llm.model.device, plan_for, ranks_agree)

@@ -32,9 +32,8 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
 from deltaserve.errors import RequestError
+from deltaserve.multimodal.limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 # Pillow plugin ids we let parse user bytes. MPO (multi-picture JPEG, written by many phone
 # cameras) is what the JPEG plugin returns for such files; its first picture is a plain JPEG.
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,12 @@ from PIL import Image
 from deltaserve.engine.request import ImageInputs
 from deltaserve.errors import ConfigError, RequestError
 from deltaserve.multimodal.image import (
-    DEFAULT_MAX_IMAGE_BYTES,
-    DEFAULT_MAX_IMAGE_PIXELS,
     OpenedImage,
     decode_opened,
     open_image,
     parse_data_url,
 )
+from deltaserve.multimodal.limits import ImageLimits
 from deltaserve.multimodal.processor import (
     IMAGE_PAD,
     ProcessedImage,
@@ -42,18 +40,10 @@ from deltaserve.multimodal.processor import (
     process_image,
 )
 
+_DEFAULT_LIMITS = ImageLimits()
 # A path, a data: URL, encoded bytes, or an already decoded PIL image.
 ImageSource = str | Path | bytes | Image.Image
 
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    """Per request; a 448x448 image is 64 visual tokens in 16x mode, overview + 9 slices 640."""
-
-    max_images: int = 8
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    max_visual_tokens: int = 4096
 
 
 def open_image_source(source: ImageSource, limits: ImageLimits) -> OpenedImage:
@@ -109,7 +99,7 @@ class ImagePrompts:
     (prompt ids, ImageInputs), the tower run on the model's device."""
 
     def __init__(self, vision_model, tokenizer, image_token_id: int, act_dtype: torch.dtype,
-                 limits: ImageLimits = ImageLimits(), cache_bytes: int = 64 << 20) -> None:
+                 limits: ImageLimits = _DEFAULT_LIMITS, cache_bytes: int = 64 << 20) -> None:
         self.vision, self.tokenizer, self.limits = vision_model, tokenizer, limits
         self.image_token_id, self.act_dtype = image_token_id, act_dtype
         # image key -> its embeddings [tokens, N]: a chat re-sends earlier images every turn, and

@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -37,23 +38,28 @@ from deltaserve.server.protocol import (
 from deltaserve.server.reasoning import opens_think_block
 from deltaserve.server.stream import Choices, ClientGone, StreamSpec, collect, response, sse
 
-OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key
-_ids = itertools.count()
+OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key (and /v1/models/{id})
 
 
 def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
               max_body_bytes: int = 4 << 20, *, load=None, idle_unload_s: float | None = None,
               on_first_load_failed=None, mirror=None, max_prompt_chars: int | None = None,
-              special_tokens_in_content: bool = False) -> FastAPI:
+              special_tokens_in_content: bool = False, aliases: tuple[str, ...] = (),
+              seed: int | None = None, cors: dict | None = None) -> FastAPI:
     """The app on a loaded `llm`, or on `load()` run in the background once the server is up
     (then idle unload and reload are possible: `idle_unload_s`, None = never). mirror: the
     other ranks' command channel under `serve --tp` (distributed/serve.py). max_prompt_chars:
     None = what the context can hold (server/prepare.py). special_tokens_in_content: special-token
-    strings in messages become control tokens (default: plain text, chat.py)."""
+    strings in messages become control tokens (default: plain text, chat.py). aliases: more
+    model ids requests may name (responses name served_name). seed: requests without one sample
+    from seed, seed + 1, ... in arrival order (vLLM's --seed: a restart replays the same draws).
+    cors: CORSMiddleware's options (allow_origins, ...), or None for no CORS headers."""
     if api_key is not None and not api_key.strip():
         raise ConfigError("the API key is empty: give a key, or none to serve without one")
     host = ModelHost(load, llm, idle_unload_s, on_first_load_failed, mirror)
     prep = Preparer(max_prompt_chars)
+    names = tuple(dict.fromkeys((served_name, *aliases)))
+    seeds = None if seed is None else itertools.count(seed)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -71,9 +77,16 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS and not _key_ok(request, api_key):
+        path = request.url.path
+        open_path = path in OPEN_PATHS or path.startswith("/v1/models/")
+        if api_key and not open_path and not _key_ok(request, api_key):
             return error_response(401, "missing or invalid API key", "invalid_api_key")
         return await call_next(request)
+
+    if cors:  # added last, so outermost: preflights are answered before the key check
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.get("/health")
     async def health():
@@ -82,14 +95,22 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return error_response(status, what)
         return {"status": what}
 
+    def card(name: str) -> dict:
+        one = {"id": name, "object": "model", "created": 0, "owned_by": "deltaserve"}
+        if host.max_model_len is not None:
+            one["max_model_len"] = host.max_model_len
+        if host.input_modalities is not None:  # llama-server's field: clients check it
+            one["architecture"] = {"input_modalities": host.input_modalities}
+        return one
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": served_name, "object": "model", "created": 0, "owned_by": "deltaserve"}
-        if host.max_model_len is not None:
-            card["max_model_len"] = host.max_model_len
-        if host.input_modalities is not None:  # llama-server's field: clients check it
-            card["architecture"] = {"input_modalities": host.input_modalities}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(model_id, names)
+        return card(model_id)
 
     @app.get("/metrics")
     async def metrics():
@@ -98,22 +119,48 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(request: Request):
         body, size = await prep.body(request, TokenizeRequest)
+        _check_model(body.model, names)
         async with host.use() as (llm, _):
-            tokens = await prep.run(size, _encode, prep, llm, body.prompt)
-            return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+            if body.messages is not None:  # the ids a chat request with them would run
+                _, tokens, sources = await prep.run(size, _chat_prompt, prep, llm, body,
+                                                    special_tokens_in_content)
+                if sources:
+                    raise ApiError(400, "messages: /tokenize does not take images",
+                                   param="messages")
+            else:
+                text = body.prompt if body.prompt is not None else body.content
+                tokens = await prep.run(size, _encode, prep, llm, text)
+            out = {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+            if body.return_token_strs or body.with_pieces:
+                pieces = [llm.tokenizer.decode([t]) for t in tokens]
+                if body.return_token_strs:
+                    out["token_strs"] = pieces
+                if body.with_pieces:  # llama-server's shape
+                    out["tokens"] = [{"id": t, "piece": p} for t, p in zip(tokens, pieces,
+                                                                           strict=True)]
+            return out
 
     @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request):
         body, size = await prep.body(request, DetokenizeRequest)
+        _check_model(body.model, names)
         async with host.use() as (llm, _):
             if any(not 0 <= t < llm.config.vocab_size for t in body.tokens):
                 raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
-            return {"prompt": await prep.run(size, llm.tokenizer.decode, body.tokens)}
+            text = await prep.run(size, llm.tokenizer.decode, body.tokens)
+            return {"prompt": text, "content": text}  # vLLM's key and llama-server's
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote
+        tokenizer reads eos_token and chat_template)."""
+        async with host.use() as (llm, _):
+            return _tokenizer_info(llm)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat(request: Request):
         body, size = await prep.body(request, ChatCompletionRequest)
-        _check_model(body.model, served_name)
+        _check_model(body.model, names)
         async with host.use() as (llm, driver):
             text, ids, sources = await prep.run(size, _chat_prompt, prep, llm, body,
                                                 special_tokens_in_content)
@@ -122,62 +169,66 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                 mode = (body.mm_processor_kwargs or {}).get("downsample_mode")
                 ids, images = await image_prompt(llm, driver, text.text, sources, mode,
                                                  text.markers)
-            return await _complete(request, body, ids, "chat.completion", llm, driver,
-                                   opens_think_block(text.plain), images)
+            return await _complete(request, body, [(None, ids)], "chat.completion", llm,
+                                   driver, opens_think_block(text.plain), images)
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
         body, size = await prep.body(request, CompletionRequest)
-        _check_model(body.model, served_name)
+        _check_model(body.model, names)
         async with host.use() as (llm, driver):
-            ids = await prep.run(size, _completion_ids, prep, llm, body.prompt)
-            return await _complete(request, body, ids, "text_completion", llm, driver)
+            prompts = await prep.run(size, _completion_prompts, prep, llm, body.prompt)
+            return await _complete(request, body, prompts, "text_completion", llm, driver)
 
-    async def _complete(request: Request, body, ids: list[int], kind: str, llm, driver,
-                        thinking: bool = False, images=None):
+    async def _complete(request: Request, body, prompts: list[tuple[str | None, list[int]]],
+                        kind: str, llm, driver, thinking: bool = False, images=None):
+        """prompts: (text or None, ids) each; body.n choices of each, choice p * n + i being
+        prompt p's i-th (vLLM's order), all submitted together."""
         num_lp, echo, limit = body.num_logprobs(), getattr(body, "echo", False), \
             body.token_limit()
+        longest = max(len(ids) for _, ids in prompts)
         if body.stream and limit == 0:
             raise ApiError(400, "max_tokens: 0 (scoring the prompt) needs stream off",
                            param="max_tokens")
         if limit == 0 and not echo:
             raise ApiError(400, "max_tokens: 0 needs echo (scoring the prompt)",
                            param="max_tokens")
-        if limit == 0 and len(ids) > llm.max_model_len:  # checked before any scoring
-            raise context_overflow(len(ids), llm.max_model_len, 0)
+        if limit == 0 and longest > llm.max_model_len:  # checked before any scoring
+            raise context_overflow(longest, llm.max_model_len, 0)
         tools = tool_spec(body)  # the calls parsed from the output (None: no tools, or "none")
-        params = _params(body, llm, len(ids), tools, num_lp) if limit != 0 else None
+        if body.seed is None and seeds is not None:  # --seed: this request's draws
+            body = body.model_copy(update={"seed": next(seeds) % 2**63})
+        params = _params(body, llm, longest, tools, num_lp) if limit != 0 else None
         if params and params[0].structured_outputs is not None:  # compiled off the engine thread
             try:
                 await prep.run(0, llm.engine.grammars.compile, params[0].structured_outputs)
             except DeltaserveError as exc:
                 raise ApiError(400, str(exc), "invalid_constraint") from exc
-        prompt = body.prompt if kind == "text_completion" else None
-        # the echoed prompt's text and teacher-forced logprobs (generated tokens get theirs from
+        # the echoed prompts' text and teacher-forced logprobs (generated tokens get theirs from
         # the engine as it samples)
-        head = _echo_text(prompt, ids, llm) if echo else ""
-        head_lp = None
-        if echo and num_lp is not None:
-            head_lp = await driver.call_every_rank(lp.completion_logprobs, llm, ids, 0, num_lp)
+        heads = [await _echo_head(driver, llm, text, ids, num_lp) for text, ids in prompts] \
+            if echo else None
+        heads = [heads[k // body.n] for k in range(len(prompts) * body.n)] if heads else None
         # the whole response's outputs (a stream makes its own): generated text's offsets count
         # from the end of the echoed prompt's last token
-        start = head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
         outputs = [ChoiceOutput(kind, thinking, llm.tokenizer.decode, num_lp or 0,
-                                num_lp is not None, start, tools) for _ in range(body.n)]
+                                num_lp is not None, _after(head_lp), tools)
+                   for _, head_lp in heads or [("", None)] * (len(prompts) * body.n)]
+        n_prompt = sum(len(ids) for _, ids in prompts)
         if limit == 0:  # echo only: score the prompt, generate nothing
             for out in outputs:
                 out.finish_reason = "length"
             return JSONResponse(response(rid_for(kind), kind, served_name,
-                                         [o.whole() for o in outputs], len(ids), head, head_lp))
-        choices = Choices(rid_for(kind), body.n, driver, request)
-        await choices.submit(ids, params, images)
+                                         [o.whole() for o in outputs], n_prompt, heads))
+        choices = Choices(rid_for(kind), len(outputs), driver, request)
+        await choices.submit([ids for _, ids in prompts for _ in range(body.n)],
+                             params * len(prompts), images)
         if body.stream:  # headers wait for the first event: a failed prefill is still a 5xx
             first = await choices.next()
             choices.fail_on(first[1])
-            spec = StreamSpec(kind, served_name, len(ids), bool(
+            spec = StreamSpec(kind, served_name, n_prompt, bool(
                 body.stream_options and body.stream_options.include_usage), thinking,
-                llm.tokenizer.decode, num_lp or 0, (head, head_lp) if echo else None,
-                num_lp is not None, tools)
+                llm.tokenizer.decode, num_lp or 0, heads, num_lp is not None, tools)
             return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
         try:
             await collect(choices, outputs)
@@ -187,7 +238,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             choices.abort()  # finished ids are ignored; one still running must not run on
             choices.close()
         return JSONResponse(response(choices.rid, kind, served_name,
-                                     [o.whole() for o in outputs], len(ids), head, head_lp))
+                                     [o.whole() for o in outputs], n_prompt, heads))
 
     return app
 
@@ -198,11 +249,18 @@ def _encode(prep: Preparer, llm, text: str) -> list[int]:
     return llm.tokenizer.encode(text)
 
 
-def _completion_ids(prep: Preparer, llm, prompt: str | list[int]) -> list[int]:
-    ids = _encode(prep, llm, prompt) if isinstance(prompt, str) else list(prompt)
-    if any(not 0 <= t < llm.config.vocab_size for t in ids):
-        raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
-    return ids
+def _completion_prompts(prep: Preparer, llm, prompt) -> list[tuple[str | None, list[int]]]:
+    """On a worker: (text or None, ids) of each prompt of a str, list[str], list[int] or
+    list[list[int]] `prompt`."""
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+        else [prompt]
+    out = []
+    for one in batch:
+        ids = _encode(prep, llm, one) if isinstance(one, str) else list(one)
+        if any(not 0 <= t < llm.config.vocab_size for t in ids):
+            raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
+        out.append((one if isinstance(one, str) else None, ids))
+    return out
 
 
 def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
@@ -214,6 +272,7 @@ def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
         if sources:
             check_image_parts(llm, sources)  # before rendering: nothing spent yet
         kwargs = dict(body.chat_template_kwargs or {})
+        kwargs.setdefault("add_generation_prompt", getattr(body, "add_generation_prompt", True))
         if body.tools:  # the template describes them to the model
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         for message in messages:  # assistant tool calls as the template takes them
@@ -229,6 +288,22 @@ def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
     prep.check_chars(llm, text.text, "messages")
     ids = None if sources else llm.tokenizer.encode_chat(text.text, text.markers)
     return text, ids, sources
+
+
+def _tokenizer_info(llm) -> dict:
+    tok = llm.tokenizer
+    config = tok.config or {}
+
+    def text_of(value):  # tokenizer_config.json keeps a token as a string or {"content": ...}
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos = [tok.decode([i]) for i in sorted(llm.eos_token_ids)]
+    return {"tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+            "eos_token": text_of(config.get("eos_token")) or (eos[0] if eos else None),
+            "bos_token": text_of(config.get("bos_token")),
+            "pad_token": text_of(config.get("pad_token")),
+            "eos_token_ids": sorted(llm.eos_token_ids), "vocab_size": llm.config.vocab_size,
+            "model_max_length": llm.max_model_len, "chat_template": tok.chat_template}
 
 
 def _body(model) -> dict:
@@ -253,8 +328,17 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _echo_text(prompt, ids: list[int], llm) -> str:
-    return prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)
+async def _echo_head(driver, llm, text: str | None, ids: list[int], num_lp: int | None
+                     ) -> tuple[str, dict | None]:
+    """An echoed prompt: its text, and its teacher-forced logprobs when asked."""
+    head_lp = None if num_lp is None else await driver.call_every_rank(
+        lp.completion_logprobs, llm, ids, 0, num_lp)
+    return (text if text is not None else llm.tokenizer.decode(ids)), head_lp
+
+
+def _after(head_lp: dict | None) -> int:
+    """The text offset just after an echoed prompt's last token (0: nothing echoed)."""
+    return head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
 
 
 def _key_ok(request: Request, api_key: str) -> bool:
@@ -265,8 +349,8 @@ def _key_ok(request: Request, api_key: str) -> bool:
     return hmac.compare_digest(given.encode(), api_key.encode())
 
 
-def _check_model(name: str, served_name: str) -> None:
-    if name != served_name:
+def _check_model(name: str | None, names: tuple[str, ...]) -> None:
+    if name is not None and name not in names:
         raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
 
 
@@ -304,4 +388,5 @@ def _params(body, llm, num_prompt: int, tools, logprobs: int | None = None
 
 
 def rid_for(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{next(_ids)}"
+    """Unique across restarts too (clients and logs key on them)."""
+    return f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"

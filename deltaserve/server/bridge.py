@@ -166,18 +166,18 @@ class EngineDriver:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_ids: list[str], prompt_ids: list[int], params: list,
+    def submit(self, request_ids: list[str], prompt_ids: list[list[int]], params: list,
                images=None) -> asyncio.Queue:
-        """From a handler on the event loop: one API request's choices (engine request ids and
-        their SamplingParams, one prompt) and the one queue all their events go to (images: the
+        """From a handler on the event loop: one API request's choices (engine request ids, each
+        one's prompt and SamplingParams) and the one queue all their events go to (images: the
         prompt's engine.request.ImageInputs, or None)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.alive:  # nobody would ever answer: fail now
             self._dead_on(events, len(request_ids))
             return events
         loop = asyncio.get_running_loop()
-        for index, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            self._cmds.put(("add", rid, prompt_ids, p, loop, events, images, index))
+        for index, (rid, ids, p) in enumerate(zip(request_ids, prompt_ids, params, strict=True)):
+            self._cmds.put(("add", rid, ids, p, loop, events, images, index))
         self._wake.set()
         if not self.alive:  # died meanwhile: its _fail_all may have drained the queue already
             self._dead_on(events, len(request_ids))

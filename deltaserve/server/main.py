@@ -36,6 +36,69 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--max-body-mb must be positive")
 
 
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's text or the template itself, compiled here so that a broken one
+    fails before the port opens."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    from jinja2 import TemplateError
+
+    from deltaserve.chat import _compiled
+
+    path = Path(value).expanduser()
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline and not path.is_file():
+        raise ConfigError(f"--chat-template {value}: no such file (give a file, or the template "
+                          "itself)")
+    text = value if looks_inline else path.read_text(encoding="utf-8")
+    try:
+        _compiled(text)
+    except TemplateError as exc:
+        raise ConfigError(f"--chat-template: the template does not compile: {exc}") from exc
+    return text
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine has: one line, not a traceback, before anything
+    loads."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {device!r} is not a device (cpu, cuda, cuda:1, ...)") from exc
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ConfigError(f"--device {device}: only cpu and cuda devices are supported")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this machine has no usable CUDA GPU (torch "
+                          f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} "
+                          "CUDA GPU(s)")
+
+
+def listen(host: str, port: int):
+    """The listening socket, bound before the model loads: a port in use is one line and exit 1
+    (never uvicorn's errno after a "loading" line)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def _server_log() -> None:
     """The server's own log lines (engine failures, restarts) on stderr like the rest."""
     logger = logging.getLogger("deltaserve.server")
@@ -58,11 +121,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _check_args(args)
     engine_args = EngineArgs.from_cli_args(args)  # every engine flag checked before the port opens
+    check_device(args.device)
+    template = chat_template_arg(args.chat_template)
     _server_log()
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     read_config(model_dir)  # a missing or broken config.json fails here, before the port opens
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
-    name = args.served_model_name or model_dir.name
+    names = getattr(args, "served_model_names", None) or [model_dir.name]
+    name = names[0]
     failed: list[str] = []
     mirror = _join_ranks(args)
 
@@ -94,6 +160,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
             mirror.publish([("load", str(path))])
             llm = loaded(mirror, lambda: build(path))
+        if template is not None:
+            llm.tokenizer.chat_template = template
         _log(f"{name} ready in {llm.load_s:.1f} s (max_model_len {llm.max_model_len})")
         return llm
 
@@ -102,11 +170,14 @@ def run_serve(args: argparse.Namespace) -> int:
         _log(f"error: the model did not load: {error}")
         server.should_exit = True
 
+    sock = listen(args.host, args.port)
     app = build_app(served_name=name, api_key=args.api_key, load=load, idle_unload_s=idle_s,
                     on_first_load_failed=first_load_failed,
                     max_body_bytes=int(args.max_body_mb * 2**20), mirror=mirror,
                     max_prompt_chars=args.max_prompt_chars,
-                    special_tokens_in_content=args.special_tokens_in_content)
+                    special_tokens_in_content=args.special_tokens_in_content,
+                    aliases=tuple(names[1:]), seed=getattr(args, "seed", None),
+                    cors=_cors(args))
     app.state.drain_s = args.shutdown_timeout
     _log(f"{name} on http://{args.host}:{args.port}/v1 (loading; /health is 200 once ready"
          f"{'; API key required' if args.api_key else ''}"
@@ -125,11 +196,21 @@ def run_serve(args: argparse.Namespace) -> int:
     if mirror is not None:
         mirror.on_close = group_ended
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if mirror is not None:  # the load failed, or the engine loop never ended: free the others
             mirror.close()
     return 1 if failed else 0
+
+
+def _cors(args: argparse.Namespace) -> dict | None:
+    origins = getattr(args, "allowed_origins", None)
+    if not origins:
+        return None
+    return {"allow_origins": list(origins),
+            "allow_methods": list(args.allowed_methods or ("GET", "POST", "OPTIONS")),
+            "allow_headers": list(args.allowed_headers or ("*",)),
+            "allow_credentials": args.allow_credentials}
 
 
 def _join_ranks(args: argparse.Namespace):

@@ -41,6 +41,8 @@ class ChatMessage(BaseModel):
             else:
                 raise ValueError(f"content part type {kind!r} is not supported (text, "
                                  "image_url)")
+        if all(p["type"] == "text" for p in parts):  # as vLLM: one string, parts on lines
+            return "\n".join(p["text"] for p in parts)
         return parts
 
 
@@ -64,7 +66,7 @@ class _Sampling(BaseModel):
     field not declared here is a 400 naming it (nothing is accepted and ignored)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None  # optional: one model is served (any of its names is accepted)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -175,13 +177,28 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+MAX_BATCH_CHOICES = 256  # prompts x n of one completions request: each is a sequence
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(min_length=1)
+    # one text, one token-id list, or a batch of either (vLLM's four forms; lm-eval sends ids)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     # the OpenAI default; 0 with echo scores the prompt only (lm-evaluation-harness)
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=1)  # only 1: one sequence per choice
+
+    @model_validator(mode="after")
+    def _batch(self):
+        batch = self.prompt if isinstance(self.prompt, list) and not isinstance(
+            self.prompt[0], int) else [self.prompt]
+        if any(len(one) == 0 for one in batch):
+            raise ValueError("prompt: an empty prompt (give text or at least one token id)")
+        if len(batch) * self.n > MAX_BATCH_CHOICES:
+            raise ValueError(f"prompt: {len(batch)} prompts x n={self.n} choices is over "
+                             f"{MAX_BATCH_CHOICES} sequences; split the batch")
+        return self
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -191,10 +208,31 @@ class CompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's (prompt, or messages through the chat template) and llama-server's (content)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    content: str | None = None  # llama-server's name for prompt
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # no tokenizer of this family adds BOS/EOS: both values give the same ids
+    add_special_tokens: bool = True
+    add_special: bool = True  # llama-server's name
+    return_token_strs: bool = False  # vLLM: token_strs beside tokens
+    with_pieces: bool = False  # llama-server: tokens as {id, piece}
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        given = [n for n in ("prompt", "content", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, content (text) or messages (chat)")
+        return self
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

@@ -39,8 +39,9 @@ class Choices:
         self._early: collections.deque = collections.deque()  # taken while admitting, in order
         self._tasks: list[asyncio.Task] = []
 
-    async def submit(self, ids: list[int], params: list, images=None) -> None:
-        """Every choice admitted, or none (the admitted ones are aborted) and an ApiError."""
+    async def submit(self, ids: list[list[int]], params: list, images=None) -> None:
+        """Every choice (ids and params: one each) admitted, or none (the admitted ones are
+        aborted) and an ApiError."""
         self.events = self.driver.submit(self.rids, ids, params, images)
         self._tasks = [asyncio.create_task(self._watch())]
         # a choice's first item says whether it was admitted; the events of a choice admitted
@@ -139,12 +140,14 @@ def choice(kind: str, index: int, text: str, reason: str | None, delta: bool,
     return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason}
 
 
-def response(rid, kind, model, wholes: list[Whole], n_prompt: int, head: str = "",
-             head_lp: dict | None = None) -> dict:
-    """The whole response body: each choice's text after the echoed prompt `head` (if any), and
-    its logprobs when asked (the prompt's part, head_lp, first)."""
+def response(rid, kind, model, wholes: list[Whole], n_prompt: int,
+             heads: list[tuple[str, dict | None]] | None = None) -> dict:
+    """The whole response body: each choice's text after its echoed prompt (heads: (text,
+    teacher-forced logprobs or None) per choice, or None), and its logprobs when asked (the
+    prompt's part first)."""
     built = []
     for i, w in enumerate(wholes):
+        head, head_lp = heads[i] if heads else ("", None)
         item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning, w.tool_calls)
         if w.logprobs is not None:
             item["logprobs"] = joined(head_lp, w.logprobs)
@@ -157,7 +160,7 @@ def response(rid, kind, model, wholes: list[Whole], n_prompt: int, head: str = "
 class StreamSpec:
     """How a stream renders: its kind, usage, the reasoning split, and for logprobs the
     tokenizer's decode and the alternatives per token (want_logprobs: asked at all); `echo` =
-    (prompt text, its logprobs object or None), sent first in every choice."""
+    per choice (its prompt's text, that prompt's logprobs object or None), sent first."""
 
     kind: str
     model: str
@@ -166,14 +169,14 @@ class StreamSpec:
     thinking: bool = False
     decode: object = None
     top_k: int = 0
-    echo: tuple[str, dict | None] | None = None
+    echo: list[tuple[str, dict | None]] | None = None
     want_logprobs: bool = False
     tools: ToolSpec | None = None
 
-    def output(self) -> ChoiceOutput:
-        """One choice's output processor (its text offsets start after the echoed prompt)."""
+    def output(self, index: int) -> ChoiceOutput:
+        """Choice `index`'s output processor (its text offsets start after its echoed prompt)."""
         return ChoiceOutput(self.kind, self.thinking, self.decode, self.top_k,
-                            self.want_logprobs, len(self.echo[0]) if self.echo else 0,
+                            self.want_logprobs, len(self.echo[index][0]) if self.echo else 0,
                             self.tools)
 
 
@@ -181,7 +184,7 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
     kind = spec.kind
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created, n_out, n = int(time.time()), 0, len(choices.rids)
-    outputs = [spec.output() for _ in range(n)]
+    outputs = [spec.output(i) for i in range(n)]
     open_choices = set(range(n))
 
     def frame(items, use=None) -> str:
@@ -192,8 +195,12 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
+        for i in range(n) if kind == "chat.completion" else ():  # the role first, as OpenAI
+            yield frame([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
         for i in range(n) if spec.echo else ():
-            yield frame([{**choice(kind, i, spec.echo[0], None, True), "logprobs": spec.echo[1]}])
+            yield frame([{**choice(kind, i, spec.echo[i][0], None, True),
+                          "logprobs": spec.echo[i][1]}])
         while open_choices:
             (i, ev), first = (first, None) if first is not None else (
                 await choices.next(), None)

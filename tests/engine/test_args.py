@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from deltaserve import LLM, EngineArgs
-from deltaserve.cli import build_parser
+from deltaserve.cli import build_parser, parse
 from deltaserve.engine.args import CLI_GROUPS
 from deltaserve.errors import ConfigError, RequestError
 from deltaserve.multimodal.inputs import ImageLimits
@@ -86,10 +86,11 @@ def test_every_command_takes_its_engine_flags_the_same_way(command) -> None:
     assert EngineArgs.from_cli_args(parser.parse_args([command, *argv])) == EngineArgs(**fields)
     defaults = EngineArgs.from_cli_args(parser.parse_args([command]))
     assert defaults == EngineArgs(dtype=dtype_default)
-    # and no other group's flags: a command does not take options it ignores
+    # and no other group's flags: a command does not take options it ignores (serve names
+    # --pipeline-parallel-size only to refuse it with the reason)
     for other in set(CLI_GROUPS) - set(groups):
         with pytest.raises(SystemExit):
-            parser.parse_args([command, FLAGS[other][0][0], FLAGS[other][0][1]])
+            parse([command, FLAGS[other][0][0], FLAGS[other][0][1]])
 
 
 def test_bad_values_fail_before_any_model_loads(capsys) -> None:
@@ -154,3 +155,36 @@ def test_engine_cache_uses_the_named_block_constants(tiny_llm) -> None:
     assert engine.config.cache.prefix_granularity == PREFIX_GRANULARITY
     assert engine.config.cache.prefix_budget_bytes == tiny_llm.engine_args.prefix_cache_bytes
     assert replace(tiny_llm.engine_args, max_num_seqs=2).max_num_seqs == 2
+
+
+def test_generation_config_choices(tiny_dir, tmp_path) -> None:
+    """auto: the checkpoint's sampling defaults; vllm: none (its eos ids kept); a folder: its."""
+    import json
+
+    from deltaserve import LLM, SamplingParams
+
+    auto = LLM(tiny_dir, dtype="float32")
+    assert auto.get_default_sampling_params().top_k > 0  # the preset's Qwen defaults
+    plain = LLM(tiny_dir, dtype="float32", generation_config="vllm")
+    blank = SamplingParams()
+    got = plain.get_default_sampling_params()
+    assert (got.temperature, got.top_k, got.top_p) == (blank.temperature, 0, blank.top_p)
+    assert plain.eos_token_ids == auto.eos_token_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.3, "top_k": 7}))
+    other = LLM(tiny_dir, dtype="float32", generation_config=str(tmp_path))
+    got = other.get_default_sampling_params()
+    assert (got.temperature, got.top_k) == (0.3, 7)
+
+
+def test_gpu_memory_share_is_what_the_card_has_left_of_it(monkeypatch) -> None:
+    import torch
+
+    from deltaserve.cache.memory import available_bytes
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
+    cuda = torch.device("cuda")
+    assert available_bytes(cuda) == 30 * gib
+    assert available_bytes(cuda, 0.9) == 72 * gib - 50 * gib  # 90% of 80 minus the 50 held
+    assert available_bytes(cuda, 0.5) == 0  # already over the share
