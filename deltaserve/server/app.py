@@ -11,24 +11,29 @@ from __future__ import annotations
 import contextlib
 import hmac
 import itertools
-import json
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from deltaserve.chat import render_chat_text
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import ConfigError, DeltaserveError
-from deltaserve.multimodal.inputs import message_images
 from deltaserve.server import logprobs as lp
+from deltaserve.server.anthropic import CountTokensRequest, MessagesRequest, add_message_routes
 from deltaserve.server.constraints import structured_of, tool_spec
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
-from deltaserve.server.images import check_image_parts, image_prompt
+from deltaserve.server.images import image_prompt
 from deltaserve.server.metrics import metrics_text
 from deltaserve.server.output import ChoiceOutput
 from deltaserve.server.prepare import Preparer
+from deltaserve.server.prompts import (
+    add_token_routes,
+    body_schema,
+    chat_prompt,
+    check_model,
+    completion_prompts,
+)
 from deltaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,7 +85,8 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         path = request.url.path
         open_path = path in OPEN_PATHS or path.startswith("/v1/models/")
         if api_key and not open_path and not _key_ok(request, api_key):
-            return error_response(401, "missing or invalid API key", "invalid_api_key")
+            return error_response(401, "missing or invalid API key", "invalid_api_key",
+                                  path=path)
         return await call_next(request)
 
     if cors:  # added last, so outermost: preflights are answered before the key check
@@ -109,60 +115,37 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        _check_model(model_id, names)
+        check_model(model_id, names)
         return card(model_id)
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(host, served_name))
 
-    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
-    async def tokenize(request: Request):
-        body, size = await prep.body(request, TokenizeRequest)
-        _check_model(body.model, names)
-        async with host.use() as (llm, _):
-            if body.messages is not None:  # the ids a chat request with them would run
-                _, tokens, sources = await prep.run(size, _chat_prompt, prep, llm, body,
-                                                    special_tokens_in_content)
-                if sources:
-                    raise ApiError(400, "messages: /tokenize does not take images",
-                                   param="messages")
-            else:
-                text = body.prompt if body.prompt is not None else body.content
-                tokens = await prep.run(size, _encode, prep, llm, text)
-            out = {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
-            if body.return_token_strs or body.with_pieces:
-                pieces = [llm.tokenizer.decode([t]) for t in tokens]
-                if body.return_token_strs:
-                    out["token_strs"] = pieces
-                if body.with_pieces:  # llama-server's shape
-                    out["tokens"] = [{"id": t, "piece": p} for t, p in zip(tokens, pieces,
-                                                                           strict=True)]
-            return out
+    add_token_routes(app, prep, host, names, special_tokens_in_content)
 
-    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
-    async def detokenize(request: Request):
-        body, size = await prep.body(request, DetokenizeRequest)
-        _check_model(body.model, names)
-        async with host.use() as (llm, _):
-            if any(not 0 <= t < llm.config.vocab_size for t in body.tokens):
-                raise ApiError(400, "tokens: an id is outside the vocabulary", param="tokens")
-            text = await prep.run(size, llm.tokenizer.decode, body.tokens)
-            return {"prompt": text, "content": text}  # vLLM's key and llama-server's
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote
-        tokenizer reads eos_token and chat_template)."""
-        async with host.use() as (llm, _):
-            return _tokenizer_info(llm)
-
-    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat(request: Request):
         body, size = await prep.body(request, ChatCompletionRequest)
-        _check_model(body.model, names)
+        return await run_chat(request, body, size)
+
+    async def count_chat(body, size: int) -> int:
+        """The prompt tokens of a chat request (text only)."""
+        check_model(body.model, names)
+        async with host.use() as (llm, _):
+            _, ids, sources = await prep.run(size, chat_prompt, prep, llm, body,
+                                             special_tokens_in_content)
+            if sources:
+                raise ApiError(400, "counting tokens of images is not supported",
+                               param="messages")
+            return len(ids)
+
+    add_message_routes(app, prep, lambda r, b, size: run_chat(r, b, size), count_chat)
+
+    async def run_chat(request: Request, body: ChatCompletionRequest, size: int):
+        check_model(body.model, names)
         async with host.use() as (llm, driver):
-            text, ids, sources = await prep.run(size, _chat_prompt, prep, llm, body,
+            text, ids, sources = await prep.run(size, chat_prompt, prep, llm, body,
                                                 special_tokens_in_content)
             images = None
             if sources:
@@ -172,12 +155,12 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return await _complete(request, body, [(None, ids)], "chat.completion", llm,
                                    driver, opens_think_block(text.plain), images)
 
-    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         body, size = await prep.body(request, CompletionRequest)
-        _check_model(body.model, names)
+        check_model(body.model, names)
         async with host.use() as (llm, driver):
-            prompts = await prep.run(size, _completion_prompts, prep, llm, body.prompt)
+            prompts = await prep.run(size, completion_prompts, prep, llm, body.prompt)
             return await _complete(request, body, prompts, "text_completion", llm, driver)
 
     async def _complete(request: Request, body, prompts: list[tuple[str | None, list[int]]],
@@ -229,7 +212,10 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             spec = StreamSpec(kind, served_name, n_prompt, bool(
                 body.stream_options and body.stream_options.include_usage), thinking,
                 llm.tokenizer.decode, num_lp or 0, heads, num_lp is not None, tools)
-            return StreamingResponse(sse(choices, spec, first), media_type="text/event-stream")
+            streamed = StreamingResponse(sse(choices, spec, first),
+                                         media_type="text/event-stream")
+            streamed.served_name, streamed.n_prompt = served_name, n_prompt  # for /v1/messages
+            return streamed
         try:
             await collect(choices, outputs)
         except ClientGone:  # aborted; the answer would go nowhere (nginx's 499)
@@ -243,75 +229,6 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     return app
 
 
-def _encode(prep: Preparer, llm, text: str) -> list[int]:
-    """On a worker: the bound, then the tokenizer (which releases the GIL)."""
-    prep.check_chars(llm, text, "prompt")
-    return llm.tokenizer.encode(text)
-
-
-def _completion_prompts(prep: Preparer, llm, prompt) -> list[tuple[str | None, list[int]]]:
-    """On a worker: (text or None, ids) of each prompt of a str, list[str], list[int] or
-    list[list[int]] `prompt`."""
-    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
-        else [prompt]
-    out = []
-    for one in batch:
-        ids = _encode(prep, llm, one) if isinstance(one, str) else list(one)
-        if any(not 0 <= t < llm.config.vocab_size for t in ids):
-            raise ApiError(400, "prompt: a token id is outside the vocabulary", param="prompt")
-        out.append((one if isinstance(one, str) else None, ids))
-    return out
-
-
-def _chat_prompt(prep: Preparer, llm, body, special_in_content: bool):
-    """On a worker: (ChatText, prompt ids or None when images follow, image sources)."""
-    try:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.template_content()}
-                    for m in body.messages]
-        sources = message_images(messages)
-        if sources:
-            check_image_parts(llm, sources)  # before rendering: nothing spent yet
-        kwargs = dict(body.chat_template_kwargs or {})
-        kwargs.setdefault("add_generation_prompt", getattr(body, "add_generation_prompt", True))
-        if body.tools:  # the template describes them to the model
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-        for message in messages:  # assistant tool calls as the template takes them
-            for call in message.get("tool_calls") or ():
-                call_args = (call.get("function") or {}).get("arguments")
-                if isinstance(call_args, str):
-                    call["function"]["arguments"] = json.loads(call_args or "{}")
-        text = render_chat_text(llm.tokenizer, messages, special_in_content,
-                                enable_thinking=bool(kwargs.pop("enable_thinking", True)),
-                                **kwargs)
-    except (ValueError, DeltaserveError, TypeError, AttributeError) as exc:
-        raise ApiError(400, f"messages: {exc}", param="messages") from exc
-    prep.check_chars(llm, text.text, "messages")
-    ids = None if sources else llm.tokenizer.encode_chat(text.text, text.markers)
-    return text, ids, sources
-
-
-def _tokenizer_info(llm) -> dict:
-    tok = llm.tokenizer
-    config = tok.config or {}
-
-    def text_of(value):  # tokenizer_config.json keeps a token as a string or {"content": ...}
-        return value.get("content") if isinstance(value, dict) else value
-
-    eos = [tok.decode([i]) for i in sorted(llm.eos_token_ids)]
-    return {"tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast"),
-            "eos_token": text_of(config.get("eos_token")) or (eos[0] if eos else None),
-            "bos_token": text_of(config.get("bos_token")),
-            "pad_token": text_of(config.get("pad_token")),
-            "eos_token_ids": sorted(llm.eos_token_ids), "vocab_size": llm.config.vocab_size,
-            "model_max_length": llm.max_model_len, "chat_template": tok.chat_template}
-
-
-def _body(model) -> dict:
-    """openapi_extra for a route that parses its own body (server/prepare.py) as `model`."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema plus the request models the routes parse themselves."""
     if app.openapi_schema is None:
@@ -320,7 +237,7 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         defs = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                      DetokenizeRequest):
+                      DetokenizeRequest, MessagesRequest, CountTokensRequest):
             one = model.model_json_schema(ref_template="#/components/schemas/{model}")
             defs.update(one.pop("$defs", {}))
             defs[model.__name__] = one
@@ -347,11 +264,6 @@ def _key_ok(request: Request, api_key: str) -> bool:
     if auth.lower().startswith("bearer "):
         given = auth[7:].strip()
     return hmac.compare_digest(given.encode(), api_key.encode())
-
-
-def _check_model(name: str | None, names: tuple[str, ...]) -> None:
-    if name is not None and name not in names:
-        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", "model")
 
 
 def _params(body, llm, num_prompt: int, tools, logprobs: int | None = None

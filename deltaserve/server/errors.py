@@ -27,9 +27,21 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
                       "param": param, "code": code, **extra}}
 
 
+# Anthropic's error types, for the /v1/messages routes (server/anthropic.py)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
 def error_response(status: int, message: str, code: str | None = None,
-                   param: str | None = None, **extra) -> JSONResponse:
+                   param: str | None = None, *, path: str = "", **extra) -> JSONResponse:
+    """The error in the shape the route's clients parse: Anthropic's under /v1/messages,
+    OpenAI's everywhere else."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"),
+                                           "message": message}}
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(error_body(status, message, code, param, **extra), status_code=status,
                         headers=headers)
 
@@ -56,24 +68,27 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.code, exc.param, **exc.extra)
+    async def _api(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.code, exc.param,
+                              path=request.url.path, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         if errors and errors[0].get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", "invalid_json")
+            return error_response(400, "the request body is not valid JSON", "invalid_json",
+                                  path=request.url.path)
         message, where = validation_message(errors)
-        return error_response(400, message, "invalid_request", where)
+        return error_response(400, message, "invalid_request", where, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    async def _internal(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}",
+                              path=request.url.path)
 
 
 class BodyLimit:
@@ -108,5 +123,6 @@ class BodyLimit:
         return await self.app(scope, replayed, send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        response = error_response(413, f"the request body is over {self.max_bytes} bytes")
+        response = error_response(413, f"the request body is over {self.max_bytes} bytes",
+                                  path=scope.get("path", ""))
         await response(scope, receive, send)

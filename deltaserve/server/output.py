@@ -23,6 +23,7 @@ class Delta:
     logprobs: dict | None
     finish_reason: str | None  # set on the choice's last event
     tool_calls: list[dict] = field(default_factory=list)  # calls completed by this event
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class Whole:
     finish_reason: str
     token_ids: list[int] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
+    stop_reason: str | int | None = None
 
 
 class ChoiceOutput:
@@ -53,6 +55,7 @@ class ChoiceOutput:
         self._logprobs: list[dict] = []
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self._tools = ToolCalls(tools) if tools is not None else None
 
     def push(self, ev) -> Delta:
@@ -69,6 +72,7 @@ class ChoiceOutput:
             if finish == "stop" and self._tools is not None and self._tools.calls:
                 finish = "tool_calls"
             self.finish_reason = finish
+            self.stop_reason = ev.stop_reason if finish in ("stop", "tool_calls") else None
         lps = None
         if self.want_logprobs and ev.logprobs:
             lps, self.offset = step_logprobs(self.kind, self.decode, ev.token_ids,
@@ -76,7 +80,7 @@ class ChoiceOutput:
             self._logprobs.append(lps)
         self._reasoning.append(reasoning)
         self._text.append(text)
-        return Delta(reasoning, text, lps, finish, calls)
+        return Delta(reasoning, text, lps, finish, calls, self.stop_reason)
 
     def whole(self) -> Whole:
         """Every delta joined: the non-streamed choice (reasoning without its trailing blank
@@ -84,7 +88,7 @@ class ChoiceOutput:
         reasoning = "".join(self._reasoning).rstrip("\n") if self.thinking else None
         calls = self._tools.calls if self._tools is not None else []
         return Whole(reasoning, "".join(self._text), self._joined_logprobs(),
-                     self.finish_reason or "stop", self.token_ids, calls)
+                     self.finish_reason or "stop", self.token_ids, calls, self.stop_reason)
 
     def _joined_logprobs(self) -> dict | None:
         if not self.want_logprobs:

@@ -124,20 +124,24 @@ def usage(n_prompt: int, n_out: int) -> dict:
 
 
 def choice(kind: str, index: int, text: str, reason: str | None, delta: bool,
-           reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
+           reasoning: str | None = None, tool_calls: list[dict] | None = None,
+           stop_reason: str | int | None = None) -> dict:
+    """One choice's object; a finished one carries vLLM's stop_reason (the stop string or token
+    id that ended it; None for EOS and length)."""
+    end = {"stop_reason": stop_reason} if reason is not None else {}
     if kind == "text_completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason, **end}
     if delta:  # only what this chunk adds
         msg = {k: v for k, v in (("content", text), ("reasoning_content", reasoning),
                                  ("tool_calls", tool_calls)) if v}
-        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": reason, **end}
     # with tool calls and no other text, content is null (as OpenAI answers)
     msg = {"role": "assistant", "content": None if tool_calls and not text else text}
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
     if tool_calls:
         msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
-    return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "message": msg, "logprobs": None, "finish_reason": reason, **end}
 
 
 def response(rid, kind, model, wholes: list[Whole], n_prompt: int,
@@ -148,7 +152,8 @@ def response(rid, kind, model, wholes: list[Whole], n_prompt: int,
     built = []
     for i, w in enumerate(wholes):
         head, head_lp = heads[i] if heads else ("", None)
-        item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning, w.tool_calls)
+        item = choice(kind, i, head + w.text, w.finish_reason, False, w.reasoning, w.tool_calls,
+                      w.stop_reason)
         if w.logprobs is not None:
             item["logprobs"] = joined(head_lp, w.logprobs)
         built.append(item)
@@ -218,7 +223,7 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
                 open_choices.discard(i)
             if delta.text or delta.reasoning or ev.finished or delta.logprobs or delta.tool_calls:
                 item = choice(kind, i, delta.text, delta.finish_reason, True, delta.reasoning,
-                              delta.tool_calls)
+                              delta.tool_calls, delta.stop_reason)
                 if delta.logprobs:
                     item["logprobs"] = delta.logprobs
                 yield frame([item])

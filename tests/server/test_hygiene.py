@@ -35,7 +35,8 @@ def _raw(text: str) -> bytes:
 SURROGATE = r'"a\ud800b"'  # JSON's escape for a lone high surrogate: no UTF-8 spelling exists
 DEEP = "[" * 100_000 + "]" * 100_000
 NESTED = "[" * 5000 + "1" + "]" * 5000  # deep inside a valid body
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+          "/v1/messages/count_tokens"]
 CASES = [
     ("/v1/completions", _raw(f'{{"model":"{MODEL}","prompt":{SURROGATE}}}'), "surrogate"),
     ("/v1/chat/completions", _raw(f'{{"model":"{MODEL}","messages":[{{"role":"user",'
@@ -53,6 +54,10 @@ CASES = [
     ("/v1/chat/completions", _raw(f'{{"model":"{MODEL}","messages":[{{"role":"user",'
                                   '"content":"x"}],"temperature":-1e999}'), "temperature"),
     ("/detokenize", _raw(f'{{"model":"{MODEL}","tokens":[-1]}}'), "token"),
+    ("/v1/messages", _raw(f'{{"model":"{MODEL}","max_tokens":4,"messages":[{{"role":"user",'
+                          f'"content":{SURROGATE}}}]}}'), "surrogate"),
+    ("/v1/messages", _raw(f'{{"model":"{MODEL}","max_tokens":4,"messages":[{{"role":"user",'
+                          '"content":"x"}],"temperature":1e999}'), "temperature"),
     ("/v1/completions", _raw(f'{{"model":"{MODEL}","prompt":[1e30]}}'), "prompt"),
 ]
 

@@ -18,6 +18,7 @@ def events(text: str, step: int, with_lps: bool = False) -> list:
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
     return [SimpleNamespace(text=p, token_ids=(i,), finished=i == len(pieces) - 1,
                             finish_reason="stop" if i == len(pieces) - 1 else None,
+                            stop_reason=None,
                             logprobs=((-0.5 * i, ((i, -0.5 * i),)),) if with_lps else None)
             for i, p in enumerate(pieces)]
 

@@ -88,6 +88,7 @@ def events(text: str, cuts: list[int]) -> list:
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return [SimpleNamespace(text=p, token_ids=(i,), finished=i == len(pieces) - 1,
                             finish_reason="stop" if i == len(pieces) - 1 else None,
+                            stop_reason=None,
                             logprobs=None) for i, p in enumerate(pieces)]
 
 
