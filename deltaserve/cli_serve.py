@@ -86,6 +86,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     sv.add_argument("--allowed-headers", default=None, metavar="JSON_OR_LIST",
                     help="CORS request headers (default: any)")
     sv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    sv.add_argument("--log-level", default="info",
+                    choices=("debug", "info", "warning", "error", "critical"),
+                    help="the server's log level (default info)")
+    sv.add_argument("--disable-log-requests", action="store_true",
+                    help="no log line per request (id, status, tokens, TTFT, total time)")
     _serve_limits(sv)
     _peer_flags(sv)
     EngineArgs.add_cli_args(sv, ("model", "tp", "speculative", "batching", "images"))

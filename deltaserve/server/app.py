@@ -41,6 +41,7 @@ from deltaserve.server.protocol import (
     TokenizeRequest,
 )
 from deltaserve.server.reasoning import opens_think_block
+from deltaserve.server.responses import ResponsesRequest, add_response_routes
 from deltaserve.server.stream import Choices, ClientGone, StreamSpec, collect, response, sse
 
 OPEN_PATHS = ("/health", "/v1/models")  # answer without the API key (and /v1/models/{id})
@@ -141,6 +142,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
             return len(ids)
 
     add_message_routes(app, prep, lambda r, b, size: run_chat(r, b, size), count_chat)
+    add_response_routes(app, prep, lambda r, b, size: run_chat(r, b, size))
 
     async def run_chat(request: Request, body: ChatCompletionRequest, size: int):
         check_model(body.model, names)
@@ -216,13 +218,20 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                                          media_type="text/event-stream")
             streamed.served_name, streamed.n_prompt = served_name, n_prompt  # for /v1/messages
             return streamed
+        status = 500
         try:
             await collect(choices, outputs)
+            status = 200
         except ClientGone:  # aborted; the answer would go nowhere (nginx's 499)
+            status = 499
             return Response(status_code=499)
+        except ApiError as exc:
+            status = exc.status
+            raise
         finally:
             choices.abort()  # finished ids are ignored; one still running must not run on
             choices.close()
+            choices.log(status, n_prompt, sum(len(o.token_ids) for o in outputs))
         return JSONResponse(response(choices.rid, kind, served_name,
                                      [o.whole() for o in outputs], n_prompt, heads))
 
@@ -237,7 +246,8 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         defs = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                      DetokenizeRequest, MessagesRequest, CountTokensRequest):
+                      DetokenizeRequest, MessagesRequest, CountTokensRequest,
+                      ResponsesRequest):
             one = model.model_json_schema(ref_template="#/components/schemas/{model}")
             defs.update(one.pop("$defs", {}))
             defs[model.__name__] = one

@@ -8,6 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deltaserve.server.reqlog import request_refused
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
          501: "not_supported_error", 503: "unavailable_error"}
@@ -69,6 +71,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
+        request_refused(request.method, request.url.path, exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.code, exc.param,
                               path=request.url.path, **exc.extra)
 

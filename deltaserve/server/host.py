@@ -100,6 +100,7 @@ class ModelHost:
         self._users += 1
         try:
             if self.state == UNLOADED:
+                log.warning("a request came: reloading the unloaded model")
                 self._begin_load()
             if self.state in (LOADING, RESTARTING):
                 await asyncio.shield(self._load_task)
@@ -198,6 +199,8 @@ class ModelHost:
         while True:
             await asyncio.sleep(tick)
             if self.state == READY and self.idle_s() >= self.idle_unload_s:
+                log.warning("idle for %.0f s: unloading the model (the next request reloads it)",
+                            self.idle_s())
                 await self.unload()
 
     def engine_totals(self) -> dict[str, int]:

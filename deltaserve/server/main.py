@@ -16,6 +16,8 @@ from dataclasses import replace
 from deltaserve.engine.args import EngineArgs
 from deltaserve.errors import ConfigError
 
+_LEVELS = ["debug", "info", "warning", "error", "critical"]  # uvicorn's access log stays off
+
 
 def _log(msg: str) -> None:
     print(f"serve: {msg}", file=sys.stderr, flush=True)
@@ -99,15 +101,41 @@ def listen(host: str, port: int):
     return sock
 
 
-def _server_log() -> None:
-    """The server's own log lines (engine failures, restarts) on stderr like the rest."""
+def _server_log(level: str = "info", log_requests: bool = True) -> None:
+    """The server's own log lines (engine failures, restarts, one per request) on stderr like
+    the rest."""
     logger = logging.getLogger("deltaserve.server")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("serve: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
         logger.propagate = False
+    logger.setLevel(level.upper())
+    requests = logging.getLogger("deltaserve.server.requests")
+    requests.setLevel(logging.NOTSET if log_requests else logging.WARNING)
+
+
+def kernels_line(llm) -> str:
+    """What runs the model: dtype, device and the kernel paths (ops/native.isa_paths on CPU; the
+    GPU backend and fla on CUDA)."""
+    import importlib.util
+
+    device = llm.device
+    if device.type == "cuda":
+        import torch
+
+        from deltaserve.ops.backend import gpu_backend
+
+        fla = importlib.util.find_spec("fla") is not None
+        paths = f"{gpu_backend()} GPU kernels{', fla prefill' if fla else ''} on " \
+            f"{torch.cuda.get_device_name(device)}"
+    else:
+        from deltaserve.ops.native import isa_paths
+
+        found = isa_paths()
+        paths = f"native CPU kernels ({', '.join(found)})" if found else \
+            "torch's CPU ops (no native kernels: DELTASERVE_NATIVE=0 or no C compiler)"
+    return f"weights {llm.model.dtype}, activations {llm.model.act_dtype}, {device}: {paths}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -123,7 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)  # every engine flag checked before the port opens
     check_device(args.device)
     template = chat_template_arg(args.chat_template)
-    _server_log()
+    _server_log(getattr(args, "log_level", "info"), not getattr(args, "disable_log_requests",
+                                                                  False))
     model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
     read_config(model_dir)  # a missing or broken config.json fails here, before the port opens
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
@@ -163,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if template is not None:
             llm.tokenizer.chat_template = template
         _log(f"{name} ready in {llm.load_s:.1f} s (max_model_len {llm.max_model_len})")
+        _log(kernels_line(llm))
         return llm
 
     def first_load_failed(error: str) -> None:
@@ -183,7 +213,8 @@ def run_serve(args: argparse.Namespace) -> int:
          f"{'; API key required' if args.api_key else ''}"
          f"{f'; unloads after {args.idle_unload_min:g} idle min' if idle_s else ''})")
     # uvicorn's own wait outlasts the drain: by then every request has ended with an error
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                    log_level=max(args.log_level, "warning", key=_LEVELS.index),
                                     timeout_graceful_shutdown=args.shutdown_timeout + 10),
                      app.state.host, args.shutdown_timeout)
 

@@ -21,6 +21,7 @@ from deltaserve.server.bridge import ADMITTED, EngineDead
 from deltaserve.server.errors import ApiError
 from deltaserve.server.logprobs import joined
 from deltaserve.server.output import ChoiceOutput, Whole
+from deltaserve.server.reqlog import request_done
 from deltaserve.server.tools import ToolSpec
 
 _GONE = (-1, None)  # the queue's item once the client has disconnected
@@ -34,6 +35,7 @@ class Choices:
     def __init__(self, rid: str, n: int, driver, request) -> None:
         """request: the HTTP request whose disconnect aborts the choices."""
         self.rid, self.driver, self.request = rid, driver, request
+        self.started, self.first_at = time.monotonic(), None  # the request log's times
         self.rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self.events: asyncio.Queue = asyncio.Queue()  # (choice index, item): every choice's
         self._early: collections.deque = collections.deque()  # taken while admitting, in order
@@ -87,7 +89,12 @@ class Choices:
         if item[0] == _GONE[0]:
             self.abort()
             raise ClientGone
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         return item
+
+    def log(self, status: int, n_prompt: int, n_out: int) -> None:
+        request_done(self.rid, status, n_prompt, n_out, self.started, self.first_at)
 
     def fail_on(self, ev) -> None:
         """A failed choice fails the request: the others are aborted, the status is 5xx."""
@@ -188,7 +195,7 @@ class StreamSpec:
 async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[str]:
     kind = spec.kind
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    created, n_out, n = int(time.time()), 0, len(choices.rids)
+    created, n_out, n, status = int(time.time()), 0, len(choices.rids), 200
     outputs = [spec.output(i) for i in range(n)]
     open_choices = set(range(n))
 
@@ -212,7 +219,7 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
             if isinstance(ev, EngineDead) or ev.finish_reason == "error":
                 what = str(ev) if isinstance(ev, EngineDead) else (
                     f"the request failed ({ev.stop_reason}) and was stopped")
-                code = 503 if isinstance(ev, EngineDead) else 500
+                code = status = 503 if isinstance(ev, EngineDead) else 500
                 err = {"error": {"message": what, "type": "server_error", "code": code}}
                 yield f"data: {json.dumps(err)}\n\n"  # mid-stream errors as vLLM sends them
                 yield "data: [DONE]\n\n"
@@ -231,8 +238,11 @@ async def sse(choices: Choices, spec: StreamSpec, first=None) -> AsyncIterator[s
             yield frame([], usage(spec.n_prompt, n_out))
         yield "data: [DONE]\n\n"
     except ClientGone:  # nobody is reading: end quietly (aborted already)
+        status = 499
         return
     finally:
         if open_choices:  # the client went away (or the stream failed): free the slots
             choices.abort()
+            status = 499 if status == 200 else status
         choices.close()
+        choices.log(status, spec.n_prompt, n_out)

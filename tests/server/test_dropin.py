@@ -4,6 +4,8 @@ restarts, list-form text content, --chat-template and the model as `serve`'s pos
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -74,13 +76,37 @@ def test_serve_takes_the_model_positionally_with_a_chat_template(tiny_dir, tiny_
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                         "{% if add_generation_prompt %}[assistant]{% endif %}")
     with running_server(str(tiny_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                        "--alias", "alias", "--chat-template", str(template)) as (base, _):
+                        "--alias", "alias", "--chat-template", str(template)) as (base, proc):
         out = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
             "model": "alias", "messages": [{"role": "user", "content": "Hi there"}],
             "max_tokens": 1}).json()
         expected = tiny_llm.tokenizer.encode("[user] Hi there\n[assistant]")
         assert out["usage"]["prompt_tokens"] == len(expected)
         assert httpx.get(f"{base}/v1/models/tiny").json()["id"] == "tiny"
+        bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "n": 0}, timeout=60)
+        assert bad.status_code == 400
+    log = proc.stdout.read()
+    n_prompt = out["usage"]["prompt_tokens"]
+    # the startup line naming what runs the model, one line per request, refusals too
+    assert "serve: weights torch.float32, activations torch.float32, cpu: " in log
+    assert "native CPU kernels (" in log or "torch's CPU ops" in log
+    assert re.search(rf"serve: chatcmpl-[0-9a-f]{{32}}: 200, {n_prompt} prompt \+ 1 completion "
+                     r"tokens, TTFT \d+\.\d+ s, total \d+\.\d+ s", log), log
+    assert "serve: POST /v1/completions: 400 n: " in log
+
+
+def test_log_level_and_disable_log_requests() -> None:
+    import logging
+
+    from deltaserve.server.main import _server_log
+
+    _server_log("warning", log_requests=True)
+    assert not logging.getLogger("deltaserve.server.requests").isEnabledFor(logging.INFO)
+    _server_log("info", log_requests=False)
+    assert logging.getLogger("deltaserve.server").isEnabledFor(logging.INFO)
+    assert not logging.getLogger("deltaserve.server.requests").isEnabledFor(logging.INFO)
+    _server_log("info", log_requests=True)
+    assert logging.getLogger("deltaserve.server.requests").isEnabledFor(logging.INFO)
 
 
 def test_completions_take_vllms_four_prompt_forms_as_one_batch(tiny_llm) -> None:

@@ -36,6 +36,7 @@ SURROGATE = r'"a\ud800b"'  # JSON's escape for a lone high surrogate: no UTF-8 s
 DEEP = "[" * 100_000 + "]" * 100_000
 NESTED = "[" * 5000 + "1" + "]" * 5000  # deep inside a valid body
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+          "/v1/responses",
           "/v1/messages/count_tokens"]
 CASES = [
     ("/v1/completions", _raw(f'{{"model":"{MODEL}","prompt":{SURROGATE}}}'), "surrogate"),
