@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltaserve.server.errors import ApiError, validation_message
+from deltaserve.server.errors import ApiError
+from deltaserve.server.prepare import validated
 from deltaserve.server.protocol import ChatCompletionRequest
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else end_turn/stop_sequence
@@ -68,12 +69,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
         if req.stream:
             body["stream_options"] = {"include_usage": True}
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None})
-    except ValidationError as exc:
-        message, where = validation_message(exc.errors())
-        raise ApiError(400, message, "invalid_request", where) from exc
+    return validated(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
 
 
 def _thinking(req: CountTokensRequest) -> bool:

@@ -141,9 +141,6 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                                param="messages")
             return len(ids)
 
-    add_message_routes(app, prep, lambda r, b, size: run_chat(r, b, size), count_chat)
-    add_response_routes(app, prep, lambda r, b, size: run_chat(r, b, size))
-
     async def run_chat(request: Request, body: ChatCompletionRequest, size: int):
         check_model(body.model, names)
         async with host.use() as (llm, driver):
@@ -156,6 +153,9 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                                                  text.markers)
             return await _complete(request, body, [(None, ids)], "chat.completion", llm,
                                    driver, opens_think_block(text.plain), images)
+
+    add_message_routes(app, prep, run_chat, count_chat)
+    add_response_routes(app, prep, run_chat)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):

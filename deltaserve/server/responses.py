@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltaserve.server.errors import ApiError, validation_message
+from deltaserve.server.errors import ApiError
+from deltaserve.server.prepare import validated
 from deltaserve.server.protocol import ChatCompletionRequest
 
 
@@ -77,12 +78,7 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, bool]:
             k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     elif fmt and fmt.get("type") != "text":
         body["response_format"] = {"type": fmt.get("type")}
-    try:
-        chat = ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None})
-    except ValidationError as exc:
-        message, where = validation_message(exc.errors())
-        raise ApiError(400, message, "invalid_request", where) from exc
+    chat = validated(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
     return chat, thinking
 
 
