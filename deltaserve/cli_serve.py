@@ -91,6 +91,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                     help="the server's log level (default info)")
     sv.add_argument("--disable-log-requests", action="store_true",
                     help="no log line per request (id, status, tokens, TTFT, total time)")
+    sv.add_argument("--metrics-without-key", action="store_true",
+                    help="answer /metrics without --api-key (for a Prometheus scraper that "
+                    "holds no key)")
     _serve_limits(sv)
     _peer_flags(sv)
     EngineArgs.add_cli_args(sv, ("model", "tp", "speculative", "batching", "images"))
@@ -118,6 +121,8 @@ def _peer_flags(sv: argparse.ArgumentParser) -> None:
     """vLLM's and llama-server's spellings of what this server always does, checked values."""
     sv.add_argument("--jinja", action="store_true",
                     help="accepted (llama-server): chat templates are always rendered with Jinja")
+    sv.add_argument("--metrics", action="store_true",
+                    help="accepted (llama-server): /metrics is always served")
     sv.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="accepted (vLLM): tool calls are always parsed when a request has tools")
     sv.add_argument("--tool-call-parser", default=None,

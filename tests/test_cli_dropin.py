@@ -35,8 +35,10 @@ def test_vllm_and_llama_server_spellings_reach_the_engine_options() -> None:
                   "--jinja", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
                   "--reasoning-parser", "qwen3", "--tensor-parallel-size", "1",
                   "--pipeline-parallel-size", "1", "--generation-config", "vllm",
-                  "--seed", "7", "--max-num-batched-tokens", "256"])
+                  "--seed", "7", "--max-num-batched-tokens", "256", "--metrics",
+                  "--metrics-without-key"])
     assert args.model == "some/model" and args.served_model_names == ["a", "b", "c"]
+    assert args.metrics_without_key and not parse(["serve", "m"]).metrics_without_key
     assert (args.quant, args.threads, args.seed) == ("int8", 2, 7)
     engine = EngineArgs.from_cli_args(args)
     assert (engine.model, engine.dtype, engine.kv_cache_dtype) == ("some/model", "float16",

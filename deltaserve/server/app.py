@@ -14,7 +14,7 @@ import itertools
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import ConfigError, DeltaserveError
@@ -24,7 +24,7 @@ from deltaserve.server.constraints import structured_of, tool_spec
 from deltaserve.server.errors import ApiError, BodyLimit, context_overflow, error_response, install
 from deltaserve.server.host import ModelHost
 from deltaserve.server.images import image_prompt
-from deltaserve.server.metrics import metrics_text
+from deltaserve.server.metrics import exposition, registry
 from deltaserve.server.output import ChoiceOutput
 from deltaserve.server.prepare import Preparer
 from deltaserve.server.prompts import (
@@ -51,7 +51,8 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
               max_body_bytes: int = 4 << 20, *, load=None, idle_unload_s: float | None = None,
               on_first_load_failed=None, mirror=None, max_prompt_chars: int | None = None,
               special_tokens_in_content: bool = False, aliases: tuple[str, ...] = (),
-              seed: int | None = None, cors: dict | None = None) -> FastAPI:
+              seed: int | None = None, cors: dict | None = None,
+              metrics_without_key: bool = False) -> FastAPI:
     """The app on a loaded `llm`, or on `load()` run in the background once the server is up
     (then idle unload and reload are possible: `idle_unload_s`, None = never). mirror: the
     other ranks' command channel under `serve --tp` (distributed/serve.py). max_prompt_chars:
@@ -59,13 +60,16 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     strings in messages become control tokens (default: plain text, chat.py). aliases: more
     model ids requests may name (responses name served_name). seed: requests without one sample
     from seed, seed + 1, ... in arrival order (vLLM's --seed: a restart replays the same draws).
-    cors: CORSMiddleware's options (allow_origins, ...), or None for no CORS headers."""
+    cors: CORSMiddleware's options (allow_origins, ...), or None for no CORS headers.
+    metrics_without_key: /metrics answers without the API key (a scraper holding none)."""
     if api_key is not None and not api_key.strip():
         raise ConfigError("the API key is empty: give a key, or none to serve without one")
     host = ModelHost(load, llm, idle_unload_s, on_first_load_failed, mirror)
     prep = Preparer(max_prompt_chars)
     names = tuple(dict.fromkeys((served_name, *aliases)))
     seeds = None if seed is None else itertools.count(seed)
+    open_paths = OPEN_PATHS + (("/metrics",) if metrics_without_key else ())
+    metrics_registry = registry(host, served_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -84,7 +88,7 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
     @app.middleware("http")
     async def _guard(request: Request, call_next):
         path = request.url.path
-        open_path = path in OPEN_PATHS or path.startswith("/v1/models/")
+        open_path = path in open_paths or path.startswith("/v1/models/")
         if api_key and not open_path and not _key_ok(request, api_key):
             return error_response(401, "missing or invalid API key", "invalid_api_key",
                                   path=path)
@@ -120,8 +124,9 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         return card(model_id)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(metrics_text(host, served_name))
+    async def metrics(request: Request):
+        body, content_type = exposition(metrics_registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     add_token_routes(app, prep, host, names, special_tokens_in_content)
 

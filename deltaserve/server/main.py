@@ -207,7 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_prompt_chars=args.max_prompt_chars,
                     special_tokens_in_content=args.special_tokens_in_content,
                     aliases=tuple(names[1:]), seed=getattr(args, "seed", None),
-                    cors=_cors(args))
+                    cors=_cors(args), metrics_without_key=args.metrics_without_key)
     app.state.drain_s = args.shutdown_timeout
     _log(f"{name} on http://{args.host}:{args.port}/v1 (loading; /health is 200 once ready"
          f"{'; API key required' if args.api_key else ''}"

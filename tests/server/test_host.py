@@ -141,7 +141,7 @@ def test_non_finite_logits_end_the_request_with_a_500_and_the_server_keeps_servi
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
         errors = [line for line in httpx.get(f"{base}/metrics").text.splitlines()
                   if 'finished_reason="error"' in line]
-        assert errors and errors[0].endswith(" 2")
+        assert errors and errors[0].endswith(" 2.0")
         assert llm.engine.cache.usage()["blocks_held_by_requests"] == 0
 
 

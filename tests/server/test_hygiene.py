@@ -127,8 +127,8 @@ def test_the_table_left_the_server_healthy_and_its_output_unchanged(server) -> N
     again = httpx.post(f"{base}/v1/completions", json=GREEDY, headers=HEADERS, timeout=60)
     assert again.json()["choices"][0]["text"] == greedy
     metrics = httpx.get(f"{base}/metrics", headers=HEADERS, timeout=10).text
-    assert 'deltaserve:requests_open{model_name="stdlib-19m"} 0' in metrics
-    assert 'deltaserve:engine_restarts_total{model_name="stdlib-19m"} 0' in metrics
+    assert 'deltaserve:requests_open{model_name="stdlib-19m"} 0.0' in metrics
+    assert 'deltaserve:engine_restarts_total{model_name="stdlib-19m"} 0.0' in metrics
 
 
 def test_schema_covers_the_tokenizer_routes(server) -> None:
