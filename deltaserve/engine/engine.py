@@ -93,6 +93,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._pending = None  # overlap.InFlight: a launched step not read back yet
         self.host_buffers: list = [None, None]  # overlap: tokens read back, steps alternate
+        self.copy_events: list = [None, None]  # overlap: recorded after each read-back
         self.num_steps = 0
         self.memory_report = None  # cache/memory.MemoryReport, set by whoever sized the pools
         self._grammars = None  # structured/grammar.Grammars, built for the first constraint

@@ -92,7 +92,7 @@ def finish(engine, flight: InFlight) -> None:
     live processed row planned on the host (processors.stage, while the forward runs), and one
     int64 buffer [R tokens | C finite flags | P allowed flags] filled on the device and copied
     back. When every row is processed with grammar masks only (the usual constrained step), one
-    kernel picks the tokens and both flags (ops/processing.mask_pick); otherwise the raw argmax
+    pick (ops/processing.mask_pick) makes the tokens and both flags; otherwise the raw argmax
     where some row is not processed, the finite flags, and the processed rows' picks over them.
     Few launches: on a GPU each costs host time the forward must hide."""
     logits, flight.logits = flight.logits, None
@@ -128,13 +128,17 @@ def _rows(engine, plan: StepPlan, logits) -> dict[str, tuple[int, int]]:
 
 
 def _copy_back(engine, which: int, both: torch.Tensor):
-    """(host copy of both, the event recorded after it on CUDA, else None)."""
+    """(host copy of both, the event recorded after it on CUDA, else None). The events alternate
+    like the host buffers (step k's is recorded again at k+2, after k resolved): no event is
+    created per step."""
     cuda = both.device.type == "cuda"
     host = _host_buffer(engine, which, both.numel(), cuda)
     host.copy_(both, non_blocking=cuda)
     event = None
     if cuda:
-        event = torch.cuda.Event()
+        event = engine.copy_events[which]
+        if event is None:
+            event = engine.copy_events[which] = torch.cuda.Event()
         event.record()
     return host, event
 

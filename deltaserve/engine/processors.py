@@ -105,10 +105,14 @@ class Staging:
     """Where a step's processing is planned on the host: one int32 buffer (pinned on CUDA) holding
     the row indices, the grammar masks and the penalties' edits, copied to the device in one
     transfer. Two buffers alternate: the copy of step k is done before step k+2 refills its
-    buffer (the engine has read step k's tokens back by then)."""
+    buffer (the engine has read step k's tokens back by then). Each host buffer has its device
+    twin, reused in stream order, and the views of a layout (rows, masked rows, edits) are made
+    once: a step of the same shape as an earlier one allocates nothing and builds no views."""
 
     def __init__(self, pin: bool) -> None:
         self.pin, self.bufs, self.turn = pin, [None, None], 0
+        self.devs: list = [None, None]
+        self._layouts: dict[tuple, Layout] = {}
 
     def take(self, numel: int) -> torch.Tensor:
         self.turn ^= 1
@@ -116,7 +120,50 @@ class Staging:
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 1 << 16), dtype=torch.int32, pin_memory=self.pin)
             self.bufs[self.turn] = buf
+            self.devs[self.turn] = None
+            self._layouts = {k: v for k, v in self._layouts.items() if k[0] != self.turn}
         return buf[:numel]
+
+    def layout(self, num: int, masked: int, words_n: int, edits: int,
+               device: torch.device) -> Layout:
+        """The next buffer's views for this shape (see stage for the layout)."""
+        size = 2 * num + masked * words_n + 3 * edits
+        buf = self.take(size)
+        key = (self.turn, num, masked, words_n, edits, device)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) > 64:  # shapes come and go with the batch: keep a few
+                self._layouts.clear()
+            dev = buf
+            if device.type != "cpu":
+                twin = self.devs[self.turn]
+                if twin is None or twin.device != device:
+                    twin = self.devs[self.turn] = torch.empty(
+                        self.bufs[self.turn].numel(), dtype=torch.int32, device=device)
+                dev = twin[:size]
+            lay = self._layouts[key] = Layout(buf, dev, num, masked, words_n, edits)
+        return lay
+
+
+class Layout:
+    """One staging buffer's views for one step shape: host [2P + K*W + 3E] int32 (rows, masked
+    row of each row, K mask rows of W words, E edit indices, then r and c as fp32 bits) and the
+    same views of its device twin (the buffer itself on a CPU)."""
+
+    def __init__(self, buf: torch.Tensor, dev: torch.Tensor, num: int, masked: int, words_n: int,
+                 edits: int) -> None:
+        self.buf, self.dev, self.host = buf, dev, buf.numpy()
+        self.floats = self.host.view(np.float32)
+        base = 2 * num + masked * words_n
+        self.words = buf[2 * num: base].view(masked, words_n)
+        self.views = (dev[:num], dev[num:2 * num], dev[2 * num: base].view(masked, words_n),
+                      dev[base: base + edits], dev[base + edits: base + 2 * edits].view(
+                          torch.float32), dev[base + 2 * edits:].view(torch.float32))
+
+    def send(self) -> None:
+        """The host buffer to its device twin (queued: the pinned copy does not wait)."""
+        if self.dev is not self.buf:
+            self.dev.copy_(self.buf, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,30 +200,25 @@ def stage(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars
     constrained = [p for p, proc in enumerate(procs) if proc.constrained]
     edits = [_edits(proc) for proc in procs]
     num_edits = sum(len(e[0]) for e in edits)
-    size = 2 * num + len(constrained) * words_n + 3 * num_edits
-    buf = (staging or Staging(False)).take(size)
-    host = buf.numpy()
+    lay = (staging or Staging(False)).layout(num, len(constrained), words_n, num_edits,
+                                             table.device)
+    host = lay.host
     host[:num] = rows
     host[num:2 * num] = -1
-    host[num + np.array(constrained, np.int64)] = np.arange(len(constrained))
-    words = buf[2 * num: 2 * num + len(constrained) * words_n].view(len(constrained), words_n)
+    host[[num + p for p in constrained]] = range(len(constrained))
     if constrained:
-        _fill_masks([procs[p] for p in constrained], words, grammars)
+        _fill_masks([procs[p] for p in constrained], lay.words, grammars)
     at = 2 * num + len(constrained) * words_n
-    floats = host.view(np.float32)
     for p, (ids, r, c) in enumerate(edits):
         n = len(ids)
+        if not n:
+            continue
         host[at: at + n] = ids + p * vocab
-        floats[at + num_edits: at + num_edits + n] = r
-        floats[at + 2 * num_edits: at + 2 * num_edits + n] = c
+        lay.floats[at + num_edits: at + num_edits + n] = r
+        lay.floats[at + 2 * num_edits: at + 2 * num_edits + n] = c
         at += n
-    dev = buf.to(table.device, non_blocking=True) if table.device.type != "cpu" else buf
-    base = 2 * num + len(constrained) * words_n
-    return Staged(dev[:num], dev[num:2 * num], dev[2 * num: base].view(len(constrained), words_n),
-                  dev[base: base + num_edits],
-                  dev[base + num_edits: base + 2 * num_edits].view(torch.float32),
-                  dev[base + 2 * num_edits: base + 3 * num_edits].view(torch.float32),
-                  any(_has_row_edits(proc) for proc in procs))
+    lay.send()
+    return Staged(*lay.views, any(_has_row_edits(proc) for proc in procs))
 
 
 def process(table: torch.Tensor, rows: list[int], procs: list[Processor], grammars=None,
@@ -241,7 +283,6 @@ def _edits(proc: Processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     [E] fp32): x -> where(x > 0, x / r, x * r) - c. Every output token is in the repetition set,
     so with repetition on its ids cover the counted ones."""
     p = proc.params
-    empty = np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
     counted = proc.counts if proc.counts and (p.frequency_penalty or p.presence_penalty) else None
     if proc.repeated:
         ids = proc.repeated_ids()
@@ -250,7 +291,7 @@ def _edits(proc: Processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = np.fromiter(counted, np.int64, len(counted))
         r = np.ones(len(ids), np.float32)
     else:
-        return empty
+        return _NO_EDITS
     c = np.zeros(len(ids), np.float32)
     if counted:
         keys = np.fromiter(counted, np.int64, len(counted))
@@ -258,6 +299,9 @@ def _edits(proc: Processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         at = np.searchsorted(ids, keys) if proc.repeated else np.arange(len(keys))
         c[at] = np.float32(p.frequency_penalty) * n + np.float32(p.presence_penalty)
     return ids, r, c
+
+
+_NO_EDITS = np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
 
 
 def _allow(mask_row: torch.Tensor, tokens: list[int]) -> None:

@@ -7,6 +7,10 @@ alternating rounds in fresh processes.
 
     python3 scripts/gpu/structured_bench.py --model /tmp/q08 --device cuda \
         --baseline /tmp/prev --out structured.json
+
+--profile instead: where a batch-1 step's time goes, free and constrained (host_profile): the
+engine's pieces timed on the host, the device's busy time and kernels (torch.profiler), and
+cProfile listings beside the JSON.
 """
 
 from __future__ import annotations
@@ -119,6 +123,91 @@ def free_b1(tree: str, model: str, device: str, rounds: int) -> list[float]:
     return out
 
 
+def host_profile(llm, tokens: int, out_dir: Path) -> dict:
+    """Where a batch-1 decode step's host time goes (free and constrained): each piece of the
+    overlapped step timed with perf_counter_ns (mean us per step), the wait for the device
+    (a host-bound loop waits ~0), and a cProfile listing of the constrained run."""
+    import cProfile
+    import pstats
+
+    from deltaserve.engine import overlap, processors
+    from deltaserve.structured import grammar
+
+    engine = llm.engine
+    acc: dict[str, list[int]] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc.setdefault(name, []).append(time.perf_counter_ns() - t0)
+        return wrapper
+
+    saved = []
+    for owner, name in ((overlap, "launch"), (overlap, "resolve"), (overlap, "finish"),
+                        (overlap, "mask_pick"), (overlap, "_copy_back"),
+                        (processors, "_fill_masks"), (processors.Processor, "accept"),
+                        (grammar.Grammars, "fill"), (torch.cuda.Event, "synchronize"),
+                        (engine, "step"), (engine, "emit"), (engine, "stage_rows"),
+                        (engine.scheduler, "schedule"), (engine.runner, "execute")):
+        # None: an instance's method (the wrapper is deleted again, not set back)
+        saved.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, timed(name, getattr(owner, name)))
+    report = {}
+    try:
+        for constrained in (False, True, False, True):  # the second of each pair is kept
+            acc.clear()
+            t0 = time.perf_counter_ns()
+            rate = decode_rate(llm, 1, constrained, tokens)
+            wall = time.perf_counter_ns() - t0
+            steps = len(acc.get("step", [])) or 1
+            per = {k: sum(v) / steps / 1e3 for k, v in acc.items()}
+            report["constrained" if constrained else "free"] = {
+                "decode_tok_s": rate, "steps": steps, "wall_us_per_step": wall / steps / 1e3,
+                # the host's own time: all of it but the wait for the device's events
+                "host_busy_us_per_step": wall / steps / 1e3 - per.get("synchronize", 0.0),
+                "outside_step_us": wall / steps / 1e3 - per.get("step", 0.0),
+                "us_per_step": per,
+                "calls_per_step": {k: len(v) / steps for k, v in acc.items()}}
+    finally:
+        for owner, name, fn in saved:
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+    for constrained in (False, True):
+        report["device_" + ("constrained" if constrained else "free")] = device_busy(
+            llm, constrained, tokens)
+        prof = cProfile.Profile()
+        prof.enable()
+        decode_rate(llm, 1, constrained, tokens)
+        prof.disable()
+        name = "cprofile-constrained.txt" if constrained else "cprofile-free.txt"
+        with open(out_dir / name, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(60)
+    return report
+
+
+def device_busy(llm, constrained: bool, tokens: int) -> dict:
+    """The device's busy time per step (sum of its kernels and copies, torch.profiler) against
+    the wall time per step: the gap is the device idling while the host works."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        rate = decode_rate(llm, 1, constrained, tokens)
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    replays = sum(e.count for e in prof.key_averages() if "GraphLaunch" in e.key)
+    return {"decode_tok_s": rate, "wall_s": wall, "device_busy_s": busy_us / 1e6,
+            "graph_replays": replays,
+            "top_device_us": {e.key[:60]: [e.self_device_time_total, e.count] for e in top}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -127,6 +216,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true", help="host_profile() only")
     args = ap.parse_args()
     from importlib.metadata import version
 
@@ -139,6 +229,13 @@ def main() -> None:
               "peer": "none (issue 33 asks for the mask's share of our own decode step)",
               "compile": compile_times(llm), "batches": {}}
     out = Path(args.out)
+    if args.profile:
+        for constrained in (False, True):
+            decode_rate(llm, 1, constrained, 64)
+        record["host_profile"] = host_profile(llm, 128, out.parent)
+        out.write_text(json.dumps(record, indent=1))
+        print(json.dumps(record["host_profile"], indent=1))
+        return
     out.write_text(json.dumps(record, indent=1))  # rewritten after each part: a timeout keeps
     print("compile", json.dumps(record["compile"]), flush=True)  # what was measured
     for batch in map(int, args.batches.split(",")):

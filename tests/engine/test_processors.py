@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
-from deltaserve.engine.processors import Processor, apply
+from deltaserve.engine.processors import Processor, Staging, apply, process
 from deltaserve.errors import RequestError
 
 V = 64
@@ -79,6 +79,27 @@ def test_processing_equals_the_formulas_on_random_rows() -> None:
             want = _reference(rows[i], p, prompts[i], outs[i], {0})
             torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-5,
                                        msg=f"trial {trial} row {i}: {p}")
+
+
+def test_staging_reused_across_shapes_equals_a_fresh_one() -> None:
+    """The staging buffers' layouts are cached per step shape: steps whose shapes change and come
+    back (rows, penalised rows, edits) give exactly what a fresh staging gives."""
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    shared = Staging(pin=False)
+    for trial in range(30):
+        params = [_random_params(rng) for _ in range(rng.choice([1, 2, 3]))]
+        procs = [Processor(p, [rng.randrange(V)], frozenset({0}), V, torch.device("cpu"), _Tok())
+                 for p in params]
+        for proc in procs:
+            for _ in range(rng.randrange(4)):
+                proc.accept(rng.randrange(V))
+        table = torch.randn(4, V) * 5
+        rows = rng.sample(range(4), len(procs))
+        got, index = process(table, rows, procs, None, shared)
+        want, want_index = process(table, rows, procs, None, Staging(pin=False))
+        assert torch.equal(got, want), f"trial {trial}"
+        assert index.tolist() == want_index.tolist() == rows
 
 
 @pytest.mark.parametrize("kwargs, word", [
