@@ -8,9 +8,9 @@ alternating rounds in fresh processes.
     python3 scripts/gpu/structured_bench.py --model /tmp/q08 --device cuda \
         --baseline /tmp/prev --out structured.json
 
---profile instead: where a batch-1 step's time goes, free and constrained (host_profile): the
-engine's pieces timed on the host, the device's busy time and kernels (torch.profiler), and
-cProfile listings beside the JSON.
+--profile instead: where a step's time goes at --profile-batch (default 1), free and constrained
+(host_profile): the engine's pieces timed on the host, the device's busy time and kernels
+(torch.profiler), and cProfile listings beside the JSON.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def free_b1(tree: str, model: str, device: str, rounds: int) -> list[float]:
     return out
 
 
-def host_profile(llm, tokens: int, out_dir: Path) -> dict:
-    """Where a batch-1 decode step's host time goes (free and constrained): each piece of the
+def host_profile(llm, batch: int, tokens: int, out_dir: Path) -> dict:
+    """Where a decode step's host time goes (free and constrained): each piece of the
     overlapped step timed with perf_counter_ns (mean us per step), the wait for the device
     (a host-bound loop waits ~0), and a cProfile listing of the constrained run."""
     import cProfile
@@ -160,7 +160,7 @@ def host_profile(llm, tokens: int, out_dir: Path) -> dict:
         for constrained in (False, True, False, True):  # the second of each pair is kept
             acc.clear()
             t0 = time.perf_counter_ns()
-            rate = decode_rate(llm, 1, constrained, tokens)
+            rate = decode_rate(llm, batch, constrained, tokens)
             wall = time.perf_counter_ns() - t0
             steps = len(acc.get("step", [])) or 1
             per = {k: sum(v) / steps / 1e3 for k, v in acc.items()}
@@ -179,10 +179,10 @@ def host_profile(llm, tokens: int, out_dir: Path) -> dict:
                 setattr(owner, name, fn)
     for constrained in (False, True):
         report["device_" + ("constrained" if constrained else "free")] = device_busy(
-            llm, constrained, tokens)
+            llm, batch, constrained, tokens)
         prof = cProfile.Profile()
         prof.enable()
-        decode_rate(llm, 1, constrained, tokens)
+        decode_rate(llm, batch, constrained, tokens)
         prof.disable()
         name = "cprofile-constrained.txt" if constrained else "cprofile-free.txt"
         with open(out_dir / name, "w") as f:
@@ -190,14 +190,14 @@ def host_profile(llm, tokens: int, out_dir: Path) -> dict:
     return report
 
 
-def device_busy(llm, constrained: bool, tokens: int) -> dict:
+def device_busy(llm, batch: int, constrained: bool, tokens: int) -> dict:
     """The device's busy time per step (sum of its kernels and copies, torch.profiler) against
     the wall time per step: the gap is the device idling while the host works."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        rate = decode_rate(llm, 1, constrained, tokens)
+        rate = decode_rate(llm, batch, constrained, tokens)
         wall = time.perf_counter() - t0
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     busy_us = sum(e.self_device_time_total for e in events)
@@ -217,6 +217,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", action="store_true", help="host_profile() only")
+    ap.add_argument("--profile-batch", type=int, default=1)
     args = ap.parse_args()
     from importlib.metadata import version
 
@@ -231,8 +232,9 @@ def main() -> None:
     out = Path(args.out)
     if args.profile:
         for constrained in (False, True):
-            decode_rate(llm, 1, constrained, 64)
-        record["host_profile"] = host_profile(llm, 128, out.parent)
+            decode_rate(llm, args.profile_batch, constrained, 64)
+        record["host_profile"] = host_profile(llm, args.profile_batch, 128,
+                                              out.parent)
         out.write_text(json.dumps(record, indent=1))
         print(json.dumps(record["host_profile"], indent=1))
         return
