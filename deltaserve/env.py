@@ -73,6 +73,7 @@ class Env:
     # DELTASERVE_SPLIT_ATTENTION=0: a 16-bit CUDA chunk of >= 2,048 rows behind cached keys runs FA2's
     # bottom-right causal kernel instead of two cuDNN calls merged by log-sum-exp (ops/attention.py)
     split_attention: bool
+    progress: bool  # DELTASERVE_PROGRESS=0: no progress bars on stderr (deltaserve/progress.py)
     git_commit: str  # DELTASERVE_GIT_COMMIT: the commit run records name (else git rev-parse)
     # tensor parallelism's compressed all-reduce (distributed/comm.py):
     tp_compress: str  # DELTASERVE_TP_COMPRESS=fp16|bf16: 16-bit transport (default "": exact)
@@ -106,6 +107,7 @@ class Env:
             split_attention=_flag("DELTASERVE_SPLIT_ATTENTION", default=True),
             prefill_graph_tokens=int(os.environ.get("DELTASERVE_PREFILL_GRAPH_TOKENS", "16384")
                                      or 0),
+            progress=_flag("DELTASERVE_PROGRESS", default=True),
             git_commit=os.environ.get("DELTASERVE_GIT_COMMIT", "").strip(),
             tp_compress=os.environ.get("DELTASERVE_TP_COMPRESS", "").strip().lower(),
             tp_compress_classes=os.environ.get("DELTASERVE_TP_COMPRESS_CLASSES", "ffn"),

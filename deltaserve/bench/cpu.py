@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,12 +48,32 @@ def _worker(engine: str, model_dir: Path, args: argparse.Namespace) -> dict:
 
         code, stdout, stderr = run_ranks(cmd, ranks, "cpu", capture=True)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        code, stdout, stderr = _shown_run(cmd, engine)
     if code != 0:
         tail = stderr.strip().splitlines()[-1:] or ["no output"]
         raise DeltaserveError(f"benchmark of {engine} failed: {tail[0]}")
     return json.loads(stdout)
+
+
+def _shown_run(cmd: list[str], engine: str) -> tuple[int, str, str]:
+    """Run a worker, its measurements shown as a progress bar (progress.CHILD_STEP lines on its
+    stderr); (exit code, stdout, the rest of stderr)."""
+    from deltaserve.progress import CHILD_STEP, bar
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    rest = []
+    with bar(None, f"bench {engine}", "step") as shown:
+        for line in proc.stderr:
+            if line.startswith(CHILD_STEP):
+                shown.set_postfix_str(line[len(CHILD_STEP):].strip(), refresh=False)
+                shown.update(1)
+            else:
+                rest.append(line)
+    reader.join()
+    return proc.wait(), "".join(stdout), "".join(rest)
 
 
 def run_bench(args: argparse.Namespace) -> int:

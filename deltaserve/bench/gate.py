@@ -20,6 +20,7 @@ import torch
 
 from deltaserve.bench.record import checkpoint_fingerprint, device_info, flags, git_commit
 from deltaserve.errors import ConfigError
+from deltaserve.progress import bar
 
 HERE = Path(__file__).parent
 NUM_TOKENS = 64
@@ -138,11 +139,14 @@ def run_gate(args: argparse.Namespace) -> int:
     b = LLM.from_engine_args(replace(engine_args, model=dirs["b"],
                                      dtype=args.against_dtype or args.dtype))
     rows = []
-    for p in prompts:
-        rows.append(gate_prompt(a, b, p))
-        r = rows[-1]
-        print(f"gate: {r['id']:<20} {r['prompt_tokens']:>5} tok  agree {r['agreement']:.2f}  "
-              f"JS max {r['js_max']:.2e} mean {r['js_mean']:.2e}", file=sys.stderr)
+    with bar(len(prompts), "gate", "prompt") as shown:
+        for p in prompts:
+            rows.append(gate_prompt(a, b, p))
+            r = rows[-1]
+            shown.write(f"gate: {r['id']:<20} {r['prompt_tokens']:>5} tok  agree "
+                        f"{r['agreement']:.2f}  JS max {r['js_max']:.2e} mean "
+                        f"{r['js_mean']:.2e}", file=sys.stderr)
+            shown.update(1)
     fails = verdict(rows, th)
     record = {
         "kind": "gate", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),

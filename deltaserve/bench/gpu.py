@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.errors import DeltaserveError
+from deltaserve.progress import bar
 
 SMI_FIELDS = "temperature.gpu,clocks.sm,clocks.mem,power.draw"
 
@@ -240,7 +241,10 @@ def run_gpu_bench(args, model_dir: Path, record: dict) -> dict:
     record["copy_gbs"] = copy_bandwidth_gbs(device)
     record["fla_installed"] = importlib.util.find_spec("fla") is not None
     engines = {}
-    for fmt, path in format_dirs(model_dir, args.formats.split(",")).items():
+    dirs = format_dirs(model_dir, args.formats.split(","))
+    shown = bar(len(dirs) + (args.peer == "transformers"), "bench", "engine")
+    for fmt, path in dirs.items():
+        shown.set_postfix_str(fmt)
         before = settle(thermals)
         result = ours_on_gpu(path, lens if fmt == "bf16" else [], args.decode_tokens, args.device)
         result["roofline_pct"] = roofline_pct(result["decode_tok_s"], result["bytes_per_token"],
@@ -250,9 +254,13 @@ def run_gpu_bench(args, model_dir: Path, record: dict) -> dict:
             result.update(kv_dtype_decode(path, kv_dtypes, args.decode_tokens, args.device))
         engines[f"deltaserve-{fmt}"] = {**result, "gpu_before": before, "gpu_after": gpu_state()}
         torch.cuda.empty_cache()
+        shown.update(1)
     if args.peer == "transformers":
+        shown.set_postfix_str("transformers")
         before = settle(thermals)
         peer = _transformers(model_dir, "bfloat16", lens, args.decode_tokens, 2, args.device)
         engines["transformers"] = {**peer, "gpu_before": before, "gpu_after": gpu_state()}
+        shown.update(1)
+    shown.close()
     record["engines"] = engines
     return record

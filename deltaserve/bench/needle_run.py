@@ -12,6 +12,7 @@ from pathlib import Path
 from deltaserve.bench import needle
 from deltaserve.bench.record import checkpoint_fingerprint, device_info, flags, git_commit
 from deltaserve.errors import ConfigError
+from deltaserve.progress import bar
 
 MAX_ANSWER_TOKENS = 10
 
@@ -45,6 +46,7 @@ def run_needle(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(replace(EngineArgs.from_cli_args(args), model=model_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS, ignore_eos=True)
     cells, t0 = [], time.perf_counter()
+    shown = bar(len(lengths) * len(depths) * args.keys, "needle", "probe")
     for context_len in lengths:
         for depth in depths:
             hits = 0
@@ -53,10 +55,12 @@ def run_needle(args: argparse.Namespace) -> int:
                 p = needle.build_prompt(llm.tokenizer.encode, filler, context_len, depth, key)
                 out = llm.generate({"prompt_token_ids": p.ids}, params)[0].outputs[0]
                 hits += needle.extract_answer(out.text) == key
+                shown.update(1)
             cells.append({"context_len": context_len, "depth": depth, "hits": hits,
                           "num_keys": args.keys})
-            print(f"needle: {context_len:>6} tokens, depth {depth:.2f}: {hits}/{args.keys}",
-                  file=sys.stderr)
+            shown.write(f"needle: {context_len:>6} tokens, depth {depth:.2f}: "
+                        f"{hits}/{args.keys}", file=sys.stderr)
+    shown.close()
     total = sum(c["hits"] for c in cells)
     record = {
         "kind": "needle", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),

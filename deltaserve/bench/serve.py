@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from deltaserve.bench.request_stats import WORDS, summarize
+from deltaserve.progress import bar
 
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -143,14 +144,15 @@ async def _run(args) -> dict:
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
         rng = random.Random(args.seed + 1)
         tasks, start = [], time.perf_counter()
-        for i, ids in enumerate(prompts):
-            body = _body(args, model, ids, texts[i] if texts else None, output_lens[i])
-            tasks.append(asyncio.create_task(_limited(gate, client, args.endpoint, body,
-                                                      len(ids))))
-            if i + 1 < len(prompts) and args.request_rate != float("inf"):
-                scale = 1.0 / (args.request_rate * args.burstiness)
-                await asyncio.sleep(rng.gammavariate(args.burstiness, scale))
-        outcomes = await asyncio.gather(*tasks)
+        with bar(len(prompts), "bench serve", "req") as shown:
+            for i, ids in enumerate(prompts):
+                body = _body(args, model, ids, texts[i] if texts else None, output_lens[i])
+                tasks.append(asyncio.create_task(_limited(gate, client, args.endpoint, body,
+                                                          len(ids), shown)))
+                if i + 1 < len(prompts) and args.request_rate != float("inf"):
+                    scale = 1.0 / (args.request_rate * args.burstiness)
+                    await asyncio.sleep(rng.gammavariate(args.burstiness, scale))
+            outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return {"backend": "deltaserve", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "base_url": args.base_url, "endpoint": args.endpoint, "model_id": model,
@@ -181,9 +183,11 @@ def _body(args, model: str, ids: list[int], text: str | None, output_len: int) -
     return {**body, "prompt": ids}
 
 
-async def _limited(gate, client, endpoint, body, input_len) -> Outcome:
+async def _limited(gate, client, endpoint, body, input_len, shown) -> Outcome:
     async with gate:
-        return await _one(client, endpoint, body, input_len)
+        outcome = await _one(client, endpoint, body, input_len)
+    shown.update(1)
+    return outcome
 
 
 async def _one(client: httpx.AsyncClient, endpoint: str, body: dict, input_len: int) -> Outcome:

@@ -12,16 +12,27 @@ from pathlib import Path
 
 import torch
 
+from deltaserve.progress import CHILD_STEP
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ticks = False  # on when this module runs as the worker process (main), not when imported
 
 
-def _median_s(fn, repeats: int) -> float:
+def tick(label: str) -> None:
+    """A model loaded or a measurement done: a step of the parent's progress bar (bench/cpu.py)."""
+    if _ticks:
+        print(f"{CHILD_STEP} {label}", file=sys.stderr, flush=True)
+
+
+def _median_s(fn, repeats: int, label: str = "") -> float:
     fn()  # warm-up: allocator, one-time weight preparation
+    tick(f"{label} warm-up")
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        tick(f"{label} {i + 1}/{repeats}")
     return statistics.median(times)
 
 
@@ -33,19 +44,21 @@ def _ours(model_dir: Path, dtype: str, lens: list[int], decode_tokens: int, repe
 
     # repeats must not hit a cache
     llm = LLM(model_dir, dtype=dtype, prefix_cache_bytes=0, **(parallel or {}))
+    tick("model loaded")
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     vocab = min(llm.config.vocab_size, 248044)  # ordinary tokens (Qwen3.5's specials start there)
     for n in lens:
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        out[f"prefill_{n}_tok_s"] = n / _median_s(lambda ids=ids: llm.generate([ids], one), repeats)
+        out[f"prefill_{n}_tok_s"] = n / _median_s(lambda ids=ids: llm.generate([ids], one), repeats,
+                                                  f"prefill {n}")
     prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
-    rates = [
-        llm.generate([prompt], params)[0].metrics["decode_tok_s"]
-        for _ in range(max(1, repeats - 1))
-    ]
+    rates = []
+    for i in range(max(1, repeats - 1)):
+        rates.append(llm.generate([prompt], params)[0].metrics["decode_tok_s"])
+        tick(f"decode {i + 1}/{max(1, repeats - 1)}")
     out["decode_tok_s"] = statistics.median(rates)
     from deltaserve.bench.gpu import decode_bytes_per_token
 
@@ -63,6 +76,7 @@ def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: 
     llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=0,
               max_num_seqs=max(batches), max_num_batched_tokens=max(2048, 16 * max(batches)),
               **(parallel or {}))
+    tick("model loaded")
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     out = {}
@@ -78,6 +92,7 @@ def _ours_batch(model_dir: Path, dtype: str, batches: list[int], decode_tokens: 
             while engine.has_work:
                 produced += len(engine.step())
             dt = time.perf_counter() - t0
+            tick(f"batch {b} {rnd}")
         out[f"batch_{b}_decode_tok_s"] = produced / dt
         out[f"batch_{b}_per_seq_tok_s"] = produced / dt / b
     if engine.runner.graphs is not None:  # GPU time of one decode step alone, per graph
@@ -105,6 +120,7 @@ def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_
     from deltaserve.validate.reference import load_reference
 
     model = load_reference(model_dir, DTYPES[dtype]).to(device)
+    tick("model loaded")
     gen = torch.Generator().manual_seed(1)
     out = {}
     with torch.inference_mode():
@@ -119,6 +135,7 @@ def _transformers_batch(model_dir: Path, dtype: str, batches: list[int], decode_
             if device != "cpu":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            tick(f"batch {b}")
             out[f"batch_{b}_decode_tok_s"] = b * (decode_tokens - 1) / dt
             out[f"batch_{b}_per_seq_tok_s"] = (decode_tokens - 1) / dt
     return out
@@ -133,6 +150,7 @@ def _transformers(
     from deltaserve.validate.reference import load_reference
 
     model = load_reference(model_dir, DTYPES[dtype]).to(device)
+    tick("model loaded")
     vocab = model.config.vocab_size
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
@@ -145,7 +163,7 @@ def _transformers(
                 model(ids, logits_to_keep=1)
                 sync()
 
-            out[f"prefill_{n}_tok_s"] = n / _median_s(prefill, repeats)
+            out[f"prefill_{n}_tok_s"] = n / _median_s(prefill, repeats, f"prefill {n}")
 
         def decode() -> None:
             res = model(torch.randint(0, vocab, (1, 16), generator=gen).to(device), use_cache=True,
@@ -160,8 +178,8 @@ def _transformers(
             model(torch.randint(0, vocab, (1, 16)).to(device), logits_to_keep=1)
             sync()
 
-        t_prefill16 = _median_s(prefill16, 1)
-        total = _median_s(decode, max(1, repeats - 1))
+        t_prefill16 = _median_s(prefill16, 1, "prefill 16")
+        total = _median_s(decode, max(1, repeats - 1), "decode")
         out["decode_tok_s"] = (decode_tokens - 1) / max(total - t_prefill16, 1e-9)
     return out
 
@@ -179,6 +197,7 @@ def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str
     for name, budget in (("miss", 0), ("hit", 4 << 30)):
         gen = torch.Generator().manual_seed(2)  # the same prompts for both runs
         llm = LLM(model_dir, dtype=dtype, device=device, prefix_cache_bytes=budget)
+        tick("model loaded")
         vocab = llm.config.vocab_size
         warm = torch.randint(0, vocab, (prefix_len + 40,), generator=torch.Generator().manual_seed(9))
         llm.generate([warm.tolist()], one)  # first-use costs (allocator, kernels) out of the timing
@@ -190,6 +209,7 @@ def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str
             t0 = time.perf_counter()
             llm.generate([system + question], one)
             times.append(time.perf_counter() - t0)
+            tick(f"{name} {len(times)}/{repeats}")
         out[f"ttft_{name}_s"] = statistics.median(times)
         out[f"ttft_{name}_all_s"] = times
         del llm
@@ -198,6 +218,8 @@ def shared_prefix_ttft(model_dir: Path, dtype: str, prefix_len: int, device: str
 
 
 def main() -> None:
+    global _ticks
+    _ticks = True
     p = argparse.ArgumentParser()
     p.add_argument("engine", choices=["ours", "transformers"])
     p.add_argument("model_dir")

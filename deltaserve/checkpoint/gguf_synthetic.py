@@ -13,7 +13,6 @@ the layout (names, shapes, types, the tiled order's axes) is exactly the convert
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from deltaserve.checkpoint.synthetic import TensorSpec, lm_specs, mtp_specs
 from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.progress import bar
 
 BLOCKS = {"Q1_0": (128, 18), "Q6_K": (256, 210), "Q8_0": (32, 34)}  # weights, bytes
 FORMATS = ("gguf-q1_0",)
@@ -123,21 +123,46 @@ def _vector(spec: TensorSpec, gen: torch.Generator, std: float) -> np.ndarray:
 
 def write_synthetic_gguf(cfg: dict[str, Any], path: Path, seed: int = 0,
                          name: str = "synthetic") -> dict:
-    """Write the Q1_0 GGUF of text config `cfg` to path, tensor by tensor (progress on stderr);
+    """Write the Q1_0 GGUF of text config `cfg` to path, tensor by tensor (a progress bar on stderr);
     returns a summary (tensors, bytes, types)."""
     try:
         import gguf
     except ImportError as exc:
         raise CheckpointError("writing GGUF needs the gguf package: pip install "
                               "'deltaserve[gguf]'") from exc
-    plan = gguf_plan(cfg)
-    writer = gguf.GGUFWriter(str(path), "qwen35")
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q1_0)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _write_hparams(writer, cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_tokenizer(writer, Path(tmp), cfg["vocab_size"])
+    plan, total = gguf_plan(cfg), gguf_bytes(cfg)
+    # the bar opens before the tokenizer's metadata (248k tokens and merges: seconds to pack)
+    with bar(total, f"writing {path.name}", "B", unit_scale=True) as shown:
+        shown.set_postfix_str("tokenizer and metadata")
+        writer = gguf.GGUFWriter(str(path), "qwen35")
+        writer.add_name(name)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q1_0)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _write_hparams(writer, cfg)
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_tokenizer(writer, Path(tmp), cfg["vocab_size"])
+        _add_tensor_infos(writer, plan, gguf)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        shown.set_postfix_str("tensors")
+        rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+        std = float(cfg.get("initializer_range", 0.02))
+        for spec, _, qtype in plan:
+            rows, cols = math.prod(spec.shape[:-1]), spec.shape[-1]
+            data = _RANDOM[qtype](rows, cols, std, rng) if qtype in _RANDOM else \
+                _vector(spec, gen, std)
+            writer.write_tensor_data(data)
+            shown.update(data.nbytes)
+    writer.close()
+    types: dict[str, int] = {}
+    for _, _, qtype in plan:
+        types[qtype] = types.get(qtype, 0) + 1
+    return {"path": str(path), "num_tensors": len(plan), "tensor_bytes": total,
+            "file_bytes": path.stat().st_size, "types": types}
+
+
+def _add_tensor_infos(writer, plan, gguf) -> None:
     for spec, gname, qtype in plan:
         shape = (*spec.shape[:-1], _row_bytes(spec.shape[-1], qtype)) if qtype != "F32" else \
             _float_shape(spec)
@@ -145,28 +170,6 @@ def write_synthetic_gguf(cfg: dict[str, Any], path: Path, seed: int = 0,
         writer.add_tensor_info(gname, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype)
                                .itemsize, raw_dtype=None if qtype == "F32" else
                                gguf.GGMLQuantizationType[qtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
-    std = float(cfg.get("initializer_range", 0.02))
-    total, done, step = gguf_bytes(cfg), 0, 0
-    for spec, _, qtype in plan:
-        rows, cols = math.prod(spec.shape[:-1]), spec.shape[-1]
-        data = _RANDOM[qtype](rows, cols, std, rng) if qtype in _RANDOM else \
-            _vector(spec, gen, std)
-        writer.write_tensor_data(data)
-        done += data.nbytes
-        if done * 20 // total > step:
-            step = done * 20 // total
-            print(f"deltaserve: writing {path.name}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB",
-                  file=sys.stderr, flush=True)
-    writer.close()
-    types: dict[str, int] = {}
-    for _, _, qtype in plan:
-        types[qtype] = types.get(qtype, 0) + 1
-    return {"path": str(path), "num_tensors": len(plan), "tensor_bytes": total,
-            "file_bytes": path.stat().st_size, "types": types}
 
 
 def _row_bytes(cols: int, qtype: str) -> int:

@@ -14,10 +14,15 @@ from deltaserve.env import env
 from deltaserve.errors import CheckpointError, ConfigError
 from deltaserve.layers.linear import Linear
 from deltaserve.models.registry import text_config_for, text_model_class
+from deltaserve.progress import bar
 from deltaserve.quant.linear import narrow_scales_
 from deltaserve.quant.loading import from_mlx, is_mlx_layout, quantize_model_
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# a bar only for loads this long: the embedded model loads in well under it
+LOAD_BAR_DELAY_S = 2.0
 
 
 def resolve_dtype(dtype: str, raw_config: dict[str, Any]) -> torch.dtype:
@@ -126,20 +131,23 @@ def _copy_weights(model: torch.nn.Module, cfg: TextConfig, index: TensorIndex, f
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor '{missing[0]}'{more}")
-    for name, tensor in index.tensors(list(targets)):
-        target = targets[name]
-        if fix is not None:
-            tensor = fix(name, tensor)
-        if shard is not None:
-            tensor = shard(name, tensor)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"tensor '{name}' has shape {list(tensor.shape)} but the config expects {list(target.shape)}"
-            )
-        if target.dtype.is_floating_point != tensor.dtype.is_floating_point or (
-            not target.dtype.is_floating_point and tensor.dtype != target.dtype
-        ):
-            raise CheckpointError(
-                f"tensor '{name}' has dtype {tensor.dtype}; expected {target.dtype}"
-            )
-        target.copy_(tensor)
+    with bar(len(targets), "loading weights", "tensor", delay=LOAD_BAR_DELAY_S) as shown:
+        for name, tensor in index.tensors(list(targets)):
+            shown.update(1)
+            target = targets[name]
+            if fix is not None:
+                tensor = fix(name, tensor)
+            if shard is not None:
+                tensor = shard(name, tensor)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"tensor '{name}' has shape {list(tensor.shape)} but the config expects "
+                    f"{list(target.shape)}"
+                )
+            if target.dtype.is_floating_point != tensor.dtype.is_floating_point or (
+                not target.dtype.is_floating_point and tensor.dtype != target.dtype
+            ):
+                raise CheckpointError(
+                    f"tensor '{name}' has dtype {tensor.dtype}; expected {target.dtype}"
+                )
+            target.copy_(tensor)

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from deltaserve.checkpoint.presets import Preset
 from deltaserve.checkpoint.synthetic import TensorSpec, preset_specs, vision_init
 from deltaserve.errors import DeltaserveError
+from deltaserve.progress import bar
 
 
 def init_tensor(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Tensor:
@@ -72,12 +73,19 @@ def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
     groups = _split(specs, p.num_shards) if p.num_shards else [specs]
     names = shard_names(p.num_shards) if p.num_shards else ["model.safetensors"]
     weight_map: dict[str, str] = {}
-    for group, file_name in zip(groups, names, strict=True):
-        tensors = {s.name: _init(s, gen, std) for s in group}
-        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
-        weight_map.update({s.name: file_name for s in group})
-        del tensors
     total = sum(s.num_bytes for s in specs)
+    # each byte counted twice: once drawn, once saved (a large shard's save takes seconds)
+    with bar(2 * total, f"writing {out_dir.name}", "B", unit_scale=True) as shown:
+        for group, file_name in zip(groups, names, strict=True):
+            shown.set_postfix_str(file_name, refresh=False)
+            tensors = {}
+            for spec in group:
+                tensors[spec.name] = _init(spec, gen, std)
+                shown.update(spec.num_bytes)
+            save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+            shown.update(sum(spec.num_bytes for spec in group))
+            weight_map.update({s.name: file_name for s in group})
+            del tensors
     if p.num_shards:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -17,6 +17,7 @@ import torch
 
 from deltaserve.cache.sequence import Sequence
 from deltaserve.errors import ConfigError
+from deltaserve.progress import track
 
 MIN_TOKENS = 64  # fewer calibration tokens give importances that mostly reflect noise
 CHUNK_TOKENS = 512  # prefill chunk of the calibration run (bounds its activations)
@@ -87,7 +88,7 @@ def input_statistics(model_dir: Path, text: str, max_tokens: int = 4096,
     try:
         seq = Sequence(model, len(ids))
         with torch.inference_mode():
-            for start in range(0, len(ids), CHUNK_TOKENS):
+            for start in track(range(0, len(ids), CHUNK_TOKENS), "calibrating", unit="chunk"):
                 h = seq.hidden(ids[start : start + CHUNK_TOKENS])
                 if head is not None:
                     add(head[0], h, head[1])

@@ -9,6 +9,7 @@ original tensor names. config.json gains a `quantization` block.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.reader import TensorIndex, lm_name, read_config
 from deltaserve.errors import CheckpointError, ConfigError
+from deltaserve.progress import bar
 from deltaserve.quant.gptq import gptq_quantize, inverse_factor
 from deltaserve.quant.loading import module_checkpoint_names, quant_block
 from deltaserve.quant.schemes import FORMATS, Scheme, quantize
@@ -70,9 +72,11 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
     tensors: dict[str, torch.Tensor] = {}
     num_quantized, kept_float, targets_quantized, by_gptq = 0, [], set(), set()
     factors: dict[int, torch.Tensor] = {}  # id(covariance) -> its inverse factor, shared by parts
+    shown = bar(_num_weights(files), f"quantizing to {fmt}", "weights", unit_scale=True)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
+                shown.set_postfix_str(key, refresh=False)
                 t = handle.get_tensor(key)
                 ours = lm_name(key)
                 module = ours.removesuffix(".weight") if ours and ours.endswith(".weight") else None
@@ -83,18 +87,22 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
                         base = key.removesuffix(".weight")
                         stat = (importance or {}).get(module)
                         if stat is not None and stat.dim() == 2:
-                            packed = _gptq(t, scheme, module, stat, factors)
+                            packed = _gptq(t, scheme, module, stat, factors, shown.update)
                             by_gptq.add(module)
                         else:
-                            packed = quantize(t, scheme, SCALE_DTYPE, search, stat)
+                            packed = quantize(t, scheme, SCALE_DTYPE, search, stat,
+                                              progress=shown.update)
                         for leaf, v in packed.items():
                             tensors[f"{base}.{leaf}"] = v.contiguous()
                         num_quantized += 1
                         targets_quantized.add(module)
                         continue
                 tensors[key] = t.contiguous()
+                shown.update(t.numel())
     out_dir.mkdir(parents=True, exist_ok=True)
+    shown.set_postfix_str("saving model.safetensors")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    shown.close()
     raw["quantization"] = _block(fmt, scheme)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     for f in model_dir.iterdir():
@@ -109,14 +117,24 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
             "bytes": (out_dir / "model.safetensors").stat().st_size, "out": str(out_dir)}
 
 
+def _num_weights(files: list[Path]) -> int:
+    """Every tensor's element count, from the headers (nothing is read)."""
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                total += math.prod(handle.get_slice(key).get_shape())
+    return total
+
+
 def _gptq(t: torch.Tensor, scheme: Scheme, module: str, cov: torch.Tensor,
-          factors: dict[int, torch.Tensor]) -> dict:
+          factors: dict[int, torch.Tensor], progress) -> dict:
     """GPTQ of one checkpoint tensor; a covariance it cannot use is a clear error naming the
     module (the calibration run's inputs overflowed, or were not positive definite)."""
     try:
         if id(cov) not in factors:
             factors[id(cov)] = inverse_factor(cov)
-        return gptq_quantize(t, scheme, cov, SCALE_DTYPE, factors[id(cov)])
+        return gptq_quantize(t, scheme, cov, SCALE_DTYPE, factors[id(cov)], progress)
     except ValueError as exc:
         raise ConfigError(f"GPTQ cannot encode {module}: {exc}") from None
 

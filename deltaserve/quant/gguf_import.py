@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from deltaserve.checkpoint.presets import text_config
 from deltaserve.errors import CheckpointError
+from deltaserve.progress import track
 from deltaserve.quant.ggml_blocks import BLOCKS, GGUF_TYPES
 from deltaserve.quant.gguf_read import read_gguf
 from deltaserve.quant.gguf_tokenizer import tokenizer_files
@@ -228,7 +229,8 @@ def _config(meta: dict, readers) -> dict:
 def _tensors(readers, cfg: dict, dequantize: bool = False
              ) -> tuple[dict[str, torch.Tensor], dict[str, Scheme]]:
     tensors, schemes = {}, {}
-    for t in (t for r in readers for t in r.tensors):
+    every = [t for r in readers for t in r.tensors]
+    for t in track(every, "importing GGUF", unit="tensor"):
         name = hf_name(t.name, cfg["num_hidden_layers"])
         if name is None:
             continue  # unknown extras, the MTP block's own embedding / head copies

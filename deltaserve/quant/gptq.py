@@ -14,6 +14,8 @@ Shapes: W [N, K] (N outputs, K inputs), H [K, K], G the group size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deltaserve.quant.schemes import (
@@ -52,10 +54,12 @@ def inverse_factor(h: torch.Tensor) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
                   scale_dtype: torch.dtype = torch.float16,
-                  factor: torch.Tensor | None = None) -> dict:
+                  factor: torch.Tensor | None = None,
+                  progress: Callable[[int], object] | None = None) -> dict:
     """w [N, K] float, h [K, K] the input covariance -> {"weight", "scales", "biases"} as
     quant/schemes.quantize writes them for an affine scheme. factor: inverse_factor(h), when the
-    caller has it (projections packed into one module share their input)."""
+    caller has it (projections packed into one module share their input). progress(n): told of
+    every n weights encoded."""
     if s.kind != "affine":
         raise ValueError(f"GPTQ here encodes affine (int4) groups, not {s.kind}")
     rows, cols = w.shape
@@ -70,6 +74,8 @@ def gptq_quantize(w: torch.Tensor, s: Scheme, h: torch.Tensor,
         codes.append(q)
         scales.append(scale)
         biases.append(bias)
+        if progress is not None:
+            progress(part.numel())
     q = torch.cat(codes).to(torch.int64)
     return {"weight": pack_codes(q, s.bits), "scales": torch.cat(scales),
             "biases": torch.cat(biases)}

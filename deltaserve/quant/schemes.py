@@ -17,6 +17,7 @@ starts and which it never does worse than) on Gaussian and heavy-tailed weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +81,14 @@ FORMATS = {"int8": INT8, "int4": INT4, "q1": Q1}
 
 
 def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float16,
-             search: bool = True, importance: torch.Tensor | None = None) -> dict:
+             search: bool = True, importance: torch.Tensor | None = None,
+             progress: Callable[[int], object] | None = None) -> dict:
     """w [N, K] float -> {"weight", "scales"[, "biases"]}: the reference encoder. search=False:
     affine groups take their min/max range (MLX's encoder) instead of the least-squares search;
-    importance [K] (quant/calibrate.py) weighs each column's squared error in that search."""
+    importance [K] (quant/calibrate.py) weighs each column's squared error in that search.
+    progress(n): told of every n weights encoded (the search over a 248k-row embedding takes
+    minutes)."""
+    progress = progress or (lambda n: None)
     rows, cols = w.shape
     if s.is_block():
         raise CheckpointError(f"{s.kind} blocks come from llama.cpp's quantizer; deltaserve reads "
@@ -94,10 +99,12 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         scale = (g.abs().amax(-1) / 127.0).to(scale_dtype)
         sf = scale.float().unsqueeze(-1)
         q = torch.where(sf > 0, g / sf.clamp_min(1e-30), 0.0).round().clamp(-127, 127)
+        progress(w.numel())
         return {"weight": q.to(torch.int8).reshape(rows, cols), "scales": scale}
     if s.kind == "q1":
         scale = g.abs().mean(-1).to(scale_dtype)  # PrismML's encoder: d = mean |x| of the group
         bits = (g >= 0).reshape(rows, cols)
+        progress(w.numel())
         return {"weight": _pack_bits(bits), "scales": scale}
     levels = (1 << s.bits) - 1
     imp = None if importance is None else group_weights(importance, cols, s.group_size)
@@ -108,6 +115,7 @@ def quantize(w: torch.Tensor, s: Scheme, scale_dtype: torch.dtype = torch.float1
         codes.append(affine_codes(part, scale.float(), bias.float(), levels))
         scales.append(scale)
         biases.append(bias)
+        progress(part.numel())
     q = torch.cat(codes).reshape(rows, cols).to(torch.int64)
     return {"weight": pack_codes(q, s.bits), "scales": torch.cat(scales),
             "biases": torch.cat(biases)}

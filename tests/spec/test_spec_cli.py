@@ -45,7 +45,7 @@ def test_serve_metrics_count_drafts() -> None:
         assert reply.status_code == 200, reply.text
         metrics = {}
         for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-            if "spec_decode" in line:
+            if "spec_decode" in line and not line.startswith("#"):
                 name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
                 metrics[name] = value
     drafted = metrics["vllm:spec_decode_num_draft_tokens_total"]
