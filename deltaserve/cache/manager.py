@@ -76,14 +76,17 @@ class CacheManager:
     def num_free_slots(self) -> int:
         return self.states.num_free
 
-    def admit(self, request_id: str, token_ids: list[int]) -> int | None:
+    def admit(self, request_id: str, token_ids: list[int], reuse: bool = True) -> int | None:
+        """A slot for the request (None: none free), its state restored from the longest cached
+        prefix of token_ids unless reuse is off; returns the positions restored."""
         if request_id in self._allocs:
             raise RuntimeError(f"request {request_id} already holds a slot")
         slot = self.states.allocate()
         if slot is None:
             return None
         alloc = _Alloc(slot)
-        snap = self.prefix.lookup(token_ids, len(token_ids) - 1) if self.prefix else None
+        snap = self.prefix.lookup(token_ids, len(token_ids) - 1) if self.prefix and reuse \
+            else None
         if snap is not None:  # the slot's state and the first blocks come from the snapshot
             self.states.restore(slot, snap.states)
             self.kv.incref(snap.blocks)

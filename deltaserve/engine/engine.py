@@ -9,11 +9,12 @@ previous one's tokens are read back, and step() returns the previous step's outp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from deltaserve.cache.manager import CacheConfig, CacheManager
+from deltaserve.engine import prompt_logprobs
 from deltaserve.engine.processors import (
     NO_TOKEN,
     Processor,
@@ -57,6 +58,9 @@ class StepOutput:
     stop_reason: int | str | None = None
     # with params.logprobs: per token in token_ids, (its logprob, ((alternative id, logprob), ...))
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    # with params.prompt_logprobs, on the request's first output: per prompt position the same
+    # (None for the first): engine/prompt_logprobs.py
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +73,8 @@ class _Live:
     t_added: float
     t_first: float | None = None
     proc: Processor | None = None  # penalties, bias, bans, grammar (processors.py)
+    prompt_lps: dict = field(default_factory=dict)  # position -> entry (prompt_logprobs.py)
+    prompt_sent: bool = False
 
 
 class Engine:
@@ -127,6 +133,9 @@ class Engine:
         if self.config.greedy_head and params.logprobs is not None:
             raise RequestError("this engine runs the greedy-only head (no logits are computed): "
                                "logprobs are not available")
+        why = prompt_logprobs.unavailable(self) if params.prompt_logprobs is not None else None
+        if why is not None:
+            raise RequestError(f"prompt_logprobs: {why}")
         if self.config.greedy_head and params.processes_logits:
             raise RequestError("this engine runs the greedy-only head (no logits are computed): "
                                "penalties, logit_bias, token bans, min_tokens and structured "
@@ -144,7 +153,8 @@ class Engine:
         if images is not None:
             _check_images(images, prompt_ids, self.model)
         proc = self.processor(params, prompt_ids)
-        self.scheduler.add(Request(request_id, list(prompt_ids), max_new, images=images))
+        self.scheduler.add(Request(request_id, list(prompt_ids), max_new, images=images,
+                                   full_prefill=params.prompt_logprobs is not None))
         max_new = self.scheduler.get(request_id).max_new_tokens  # capped to what the KV pool holds
         self._live[request_id] = _Live(params, gen, stops, detok, max_new, time.perf_counter(),
                                        proc=proc)
@@ -184,7 +194,10 @@ class Engine:
         key_ids = {rid: reqs[rid].key_ids for rid in
                    {c.request_id for c in plan.chunks if len(c.token_ids) > 1 and not c.num_draft}}
         images = {rid: r.images for rid, r in reqs.items() if r.images is not None}
-        logits = self.runner.execute(plan, key_ids, images=images)
+        want = prompt_logprobs.wanted(self, plan)
+        logits = self.runner.execute(plan, key_ids, images=images, hidden=bool(want))
+        if want:
+            prompt_logprobs.record(self, plan, logits.hidden, want)
         sampled, failed = self._sample(logits)
         lps = self._logprobs(logits, sampled)
         if self.spec is not None:
@@ -327,6 +340,7 @@ class Engine:
         num_generated: tokens generated so far counting this one (overlap: output_ids may hold
         a placeholder beyond it)."""
         live, req = self._live[rid], self.scheduler.get(rid)
+        plp = prompt_logprobs.take(live, len(req.prompt_ids))
         num_generated = len(req.output_ids) if num_generated is None else num_generated
         live.t_first = live.t_first or time.perf_counter()
         # before min_tokens nothing stops it (EOS and stop ids are masked; stop strings unmatched)
@@ -339,7 +353,7 @@ class Engine:
         elif ended is None and num_generated >= live.max_new:
             ended = ("length", None)
         if not ended:
-            return StepOutput(rid, text, (token,), logprobs=lp)
+            return StepOutput(rid, text, (token,), logprobs=lp, prompt_logprobs=plp)
         if stop_str is None:  # text held back by the detokenizer or a partial stop match
             tail, hit = live.stops.add_text(live.detok.flush())
             text += tail if hit is not None else tail + live.stops.finish()
@@ -347,7 +361,7 @@ class Engine:
         del self._live[rid]
         if self.spec is not None:
             self.spec.forget(rid)
-        return StepOutput(rid, text, (token,), True, ended[0], ended[1], lp)
+        return StepOutput(rid, text, (token,), True, ended[0], ended[1], lp, plp)
 
     def export_prefix_cache(self, path) -> int:
         from deltaserve.cache.snapshot_io import export_snapshots

@@ -26,11 +26,13 @@ class Eager:
     def __init__(self, model, greedy: bool, keep_hidden: bool) -> None:
         self.model, self.greedy, self.keep_hidden = model, greedy, keep_hidden
 
-    def execute_step(self, step: Step) -> StepLogits:
+    def execute_step(self, step: Step, hidden: bool = False) -> StepLogits:
+        """hidden: every row's final hidden kept for this step (prompt logprobs)."""
         batch = step.batch()
+        keep = self.keep_hidden or hidden
         out = self.model.forward_batch(step.ids_tensor(), batch, greedy=self.greedy,
-                                       inject=step.injection(), return_hidden=self.keep_hidden)
-        out, hidden = out if self.keep_hidden else (out, None)
+                                       inject=step.injection(), return_hidden=keep)
+        out, hidden = out if keep else (out, None)
         logits = step_logits(out, step.plan)
         logits.verify_record, logits.hidden = batch.spec, hidden
         step.store_snapshots(logits, batch.snapshots)

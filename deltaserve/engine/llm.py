@@ -187,6 +187,7 @@ class LLM:
         encoded = [self.encode_request(p) for p in prompts]  # validate all before running any
         rids = [f"gen-{next(_ids)}" for _ in encoded]
         outs = {rid: CompletionOutput(0, "", []) for rid in rids}
+        prompt_lps: dict[str, list] = {}
         metrics: dict[str, dict[str, float]] = {}
         try:
             for rid, (_, ids, images), p in zip(rids, encoded, per_prompt, strict=True):
@@ -203,11 +204,14 @@ class LLM:
                         out.logprobs = (out.logprobs or []) + [
                             {tok: lp, **dict(alts)} for tok, (lp, alts)
                             in zip(ev.token_ids, ev.logprobs, strict=True)]
+                    if ev.prompt_logprobs is not None:
+                        prompt_lps[ev.request_id] = ev.prompt_logprobs
                     done += ev.finished
         finally:
             for rid in rids:  # an exception (or Ctrl-C) must not leave requests holding slots
                 self.engine.abort(rid)
-        return [RequestOutput(str(i), text, ids, [outs[rid]], True, metrics[rid])
+        return [RequestOutput(str(i), text, ids, [outs[rid]], True, metrics[rid],
+                              _prompt_dicts(ids, prompt_lps.get(rid)))
                 for i, (rid, (text, ids, _)) in enumerate(zip(rids, encoded, strict=True))]
 
     def stream(
@@ -365,3 +369,11 @@ def _plan(llm: LLM, args: EngineArgs, kv_dtype: torch.dtype | None, ranks_agree:
     if args.max_num_batched_tokens is None:
         return _default_batched_tokens(llm.model.device, plan_for, ranks_agree)
     return args.max_num_batched_tokens, plan_for(args.max_num_batched_tokens)
+
+
+def _prompt_dicts(ids: list[int], entries) -> list[dict[int, float] | None] | None:
+    """The engine's prompt logprobs (engine/prompt_logprobs.py) in vLLM's shape."""
+    if entries is None:
+        return None
+    return [None if e is None else {tok: e[0], **dict(e[1])}
+            for tok, e in zip(ids, entries, strict=True)]

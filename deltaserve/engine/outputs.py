@@ -25,6 +25,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict[str, float] = field(default_factory=dict)  # prefill_s, decode_s, tokens/s
+    # with SamplingParams.prompt_logprobs: per prompt position {token id: logprob} (the prompt's
+    # token and the top alternatives; None for the first position), as vLLM gives them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,8 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
     images: ImageInputs | None = None
+    # every prompt position computed, none restored from the prefix cache (prompt logprobs)
+    full_prefill: bool = False
 
     @property
     def key_ids(self) -> list[int]:

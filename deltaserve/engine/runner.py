@@ -55,15 +55,19 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, all_ids: Mapping[str, list[int]],
                 feed: Feed | None = None,
-                images: Mapping[str, ImageInputs] | None = None) -> StepLogits:
+                images: Mapping[str, ImageInputs] | None = None,
+                hidden: bool = False) -> StepLogits:
         """all_ids: every multi-token chunk's request's key ids (Request.key_ids: prefix keys
         are hashes of them). feed (decode-only plans): (device tokens, rows of this plan, rows of
         those tokens): those rows' input ids come from the device, never read back
         (engine/overlap.py). images: the planned requests that have image placeholders.
         Returns request id -> next-token logits [vocab] fp32 for the chunks with sample=True,
-        left on the device (engine/executors.py: the first executor that takes the step)."""
+        left on the device (engine/executors.py: the first executor that takes the step).
+        hidden: the eager executor runs it, every row's final hidden kept (prompt logprobs)."""
         step = Step(plan, all_ids, feed, images or {}, self.cache, self.model.device,
                     self.rollback)
+        if hidden:
+            return self.eager.execute_step(step, hidden=True)
         for executor in (self.graphs, self.prefill_graphs, self.native, self.eager):
             out = None if executor is None else executor.execute_step(step)
             if out is not None:

@@ -41,6 +41,9 @@ class SamplingParams:
     # per generated token: its log-probability under the raw model distribution (before
     # temperature and filters, as vLLM reports) and this many most likely alternatives; None = off
     logprobs: int | None = None
+    # vLLM's: each prompt token's log-probability given the ones before it, and this many most
+    # likely tokens there, computed by the prefill itself (engine/prompt_logprobs.py); None = off
+    prompt_logprobs: int | None = None
     # logits processing (engine/processors.py), vLLM's names and ranges
     presence_penalty: float = 0.0  # OpenAI: minus this once a token has appeared in the output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
@@ -79,6 +82,8 @@ class SamplingParams:
              f"seed must be in [0, 2**63), got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(math.isfinite(v) for v in (self.presence_penalty, self.frequency_penalty,
                                              self.repetition_penalty)),
              "presence_penalty, frequency_penalty and repetition_penalty must be finite"),

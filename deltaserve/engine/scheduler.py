@@ -25,9 +25,10 @@ class CacheManager(Protocol):
     def num_free_slots(self) -> int:
         """State slots free now."""
 
-    def admit(self, request_id: str, token_ids: list[int]) -> int | None:
+    def admit(self, request_id: str, token_ids: list[int], reuse: bool = True) -> int | None:
         """Give the request a state slot, restoring the longest cached prefix of token_ids
-        (at most len-1 tokens); the number of tokens restored (0 = miss), None if no slot/KV now."""
+        (at most len-1 tokens; none when reuse is off); the number of tokens restored (0 = miss),
+        None if no slot/KV now."""
 
     def slot_of(self, request_id: str) -> int:
         """The state slot the request holds."""
@@ -325,7 +326,7 @@ class Scheduler:
             req = self._waiting[0]
             if req.request_id in step.preempted:  # memory is tight; FCFS keeps the rest behind it
                 break
-            restored = self.cache.admit(req.request_id, req.key_ids)
+            restored = self.cache.admit(req.request_id, req.key_ids, reuse=not req.full_prefill)
             if restored is None:  # head-of-line: later arrivals do not overtake it
                 break
             if not 0 <= restored < req.num_tokens:

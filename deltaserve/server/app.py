@@ -12,10 +12,12 @@ import contextlib
 import hmac
 import itertools
 import uuid
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deltaserve.engine import prompt_logprobs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import ConfigError, DeltaserveError
 from deltaserve.server import logprobs as lp
@@ -189,6 +191,13 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         if body.seed is None and seeds is not None:  # --seed: this request's draws
             body = body.model_copy(update={"seed": next(seeds) % 2**63})
         params = _params(body, llm, longest, tools, num_lp) if limit != 0 else None
+        # echo with logprobs while generating: the engine's prefill scores the prompt (choice 0
+        # of each prompt asks for it), one forward; a stream, or an engine that cannot, scores
+        # it first with a forward of its own
+        by_engine = echo and num_lp is not None and params is not None and not body.stream \
+            and prompt_logprobs.unavailable(llm.engine) is None
+        if by_engine:
+            params[0] = replace(params[0], prompt_logprobs=num_lp)
         if params and params[0].structured_outputs is not None:  # compiled off the engine thread
             try:
                 await prep.run(0, llm.engine.grammars.compile, params[0].structured_outputs)
@@ -196,14 +205,15 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
                 raise ApiError(400, str(exc), "invalid_constraint") from exc
         # the echoed prompts' text and teacher-forced logprobs (generated tokens get theirs from
         # the engine as it samples)
-        heads = [await _echo_head(driver, llm, text, ids, num_lp) for text, ids in prompts] \
-            if echo else None
+        heads = [await _echo_head(driver, llm, text, ids, None if by_engine else num_lp)
+                 for text, ids in prompts] if echo else None
         heads = [heads[k // body.n] for k in range(len(prompts) * body.n)] if heads else None
         # the whole response's outputs (a stream makes its own): generated text's offsets count
         # from the end of the echoed prompt's last token
+        ends = [lp.echo_end(llm.tokenizer.decode, prompts[k // body.n][1]) if echo else 0
+                for k in range(len(prompts) * body.n)]
         outputs = [ChoiceOutput(kind, thinking, llm.tokenizer.decode, num_lp or 0,
-                                num_lp is not None, _after(head_lp), tools)
-                   for _, head_lp in heads or [("", None)] * (len(prompts) * body.n)]
+                                num_lp is not None, end, tools) for end in ends]
         n_prompt = sum(len(ids) for _, ids in prompts)
         if limit == 0:  # echo only: score the prompt, generate nothing
             for out in outputs:
@@ -226,6 +236,10 @@ def build_app(llm=None, served_name: str = "model", api_key: str | None = None,
         status = 500
         try:
             await collect(choices, outputs)
+            if by_engine:
+                heads = [(heads[k][0], lp.from_engine(
+                    llm, prompts[k // body.n][1], outputs[k - k % body.n].prompt_logprobs, num_lp))
+                    for k in range(len(outputs))]
             status = 200
         except ClientGone:  # aborted; the answer would go nowhere (nginx's 499)
             status = 499
@@ -266,11 +280,6 @@ async def _echo_head(driver, llm, text: str | None, ids: list[int], num_lp: int 
     head_lp = None if num_lp is None else await driver.call_every_rank(
         lp.completion_logprobs, llm, ids, 0, num_lp)
     return (text if text is not None else llm.tokenizer.decode(ids)), head_lp
-
-
-def _after(head_lp: dict | None) -> int:
-    """The text offset just after an echoed prompt's last token (0: nothing echoed)."""
-    return head_lp["text_offset"][-1] + len(head_lp["tokens"][-1]) if head_lp else 0
 
 
 def _key_ok(request: Request, api_key: str) -> bool:

@@ -7,41 +7,28 @@ from __future__ import annotations
 
 import torch
 
-ROWS_PER_HEAD_CALL = 256  # positions per head GEMM: [256, 248320] fp32 logits is 254 MB
-
 
 @torch.inference_mode()
 def score(llm, ids: list[int], top_k: int) -> tuple[list[float | None], list[dict | None]]:
     """log p(ids[i] | ids[:i]) for each position (None for the first, which has no context) and
-    the top_k alternatives there as {token text: logprob}. The head runs over the positions in
-    slices, so a long prompt never materialises [T, vocab] logits at once."""
+    the top_k alternatives there as {token text: logprob}, on a sequence of its own (the head over
+    slices of positions: engine/prompt_logprobs.head_logprobs)."""
     from deltaserve.cache.sequence import Sequence
-    from deltaserve.layers.linear import linear
-    from deltaserve.quant.linear import is_quantized, quant_linear
+    from deltaserve.engine.prompt_logprobs import head_logprobs
 
-    model = llm.model
-    hidden = Sequence(model, len(ids)).hidden(ids)
-    head = model.head
-    token_lps: list[float | None] = [None]
-    tops: list[dict | None] = [None]
-    for lo in range(0, len(ids) - 1, ROWS_PER_HEAD_CALL):
-        hi = min(lo + ROWS_PER_HEAD_CALL, len(ids) - 1)  # row i predicts token i+1
-        h = hidden[lo:hi]
-        if model.tp is not None:  # vocabulary-parallel head: every rank's rows, gathered
-            logits = model.tp.logits(h, head)
-        else:
-            logits = quant_linear(h, head) if is_quantized(head) else linear(h, head.weight)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        nxt = torch.tensor(ids[lo + 1 : hi + 1], device=logp.device)
-        token_lps.extend(logp.gather(1, nxt[:, None])[:, 0].tolist())
-        if top_k > 0:
-            values, indices = logp.topk(top_k, dim=-1)
-            for vals, idxs in zip(values.tolist(), indices.tolist(), strict=True):
-                tops.append({llm.tokenizer.decode([i]): v
-                             for i, v in zip(idxs, vals, strict=True)})
-        else:
-            tops.extend([None] * (hi - lo))
-    return token_lps, tops
+    hidden = Sequence(llm.model, len(ids)).hidden(ids)
+    entries = head_logprobs(llm.model, hidden[:-1], ids[1:], top_k)
+    return _values(llm, [None, *entries], top_k)
+
+
+def _values(llm, entries, top_k: int) -> tuple[list[float | None], list[dict | None]]:
+    """Entries (logprob, ((id, logprob), ...)) or None -> (logprobs, {token text: logprob} or
+    None per position)."""
+    token_lps = [None if e is None else e[0] for e in entries]
+    if top_k <= 0:
+        return token_lps, [None] * len(entries)
+    return token_lps, [None if e is None else {llm.tokenizer.decode([i]): v for i, v in e[1]}
+                       for e in entries]
 
 
 def _offsets(tokens: list[str], start: int) -> tuple[list[int], int]:
@@ -63,7 +50,21 @@ def _chat_item(tok: str, lp: float, alts) -> dict:
 def completion_logprobs(llm, ids: list[int], start: int, top_k: int) -> dict:
     """The `logprobs` object of a text completion for tokens ids[start:], teacher-forced (the
     prompt part of `echo`: the engine gives generated tokens their values as it samples)."""
-    token_lps, tops = score(llm, ids, top_k)
+    return _completion_object(llm, ids, start, top_k, *score(llm, ids, top_k))
+
+
+def from_engine(llm, ids: list[int], entries: tuple, top_k: int) -> dict:
+    """The same object from the engine's prompt logprobs (SamplingParams.prompt_logprobs: the
+    prefill scored the prompt; engine/prompt_logprobs.py)."""
+    return _completion_object(llm, ids, 0, top_k, *_values(llm, entries, top_k))
+
+
+def echo_end(decode, ids: list[int]) -> int:
+    """The text offset just after an echoed prompt's last token (its tokens' texts, joined)."""
+    return sum(len(decode([t])) for t in ids)
+
+
+def _completion_object(llm, ids, start, top_k, token_lps, tops) -> dict:
     tokens = [llm.tokenizer.decode([t]) for t in ids[start:]]
     return {"tokens": tokens, "token_logprobs": token_lps[start:],
             "top_logprobs": tops[start:] if top_k > 0 else None,

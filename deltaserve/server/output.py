@@ -54,6 +54,7 @@ class ChoiceOutput:
         self._text: list[str] = []
         self._logprobs: list[dict] = []
         self.token_ids: list[int] = []
+        self.prompt_logprobs = None  # the engine's, on the first event when it scored the prompt
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self._tools = ToolCalls(tools) if tools is not None else None
@@ -61,6 +62,8 @@ class ChoiceOutput:
     def push(self, ev) -> Delta:
         """One engine StepOutput of this choice."""
         self.token_ids.extend(ev.token_ids)
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         reasoning, text = self._splitter.push(ev.text)
         finish, calls = None, []
         if ev.finished:

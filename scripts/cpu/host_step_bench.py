@@ -27,7 +27,7 @@ from deltaserve.checkpoint.writer import write_checkpoint  # noqa: E402
 from deltaserve.engine.step import step_logits  # noqa: E402
 
 
-def fake_execute(plan, all_ids):
+def fake_execute(plan, all_ids, *_, **__):
     logits = torch.zeros(len(plan.chunks), 64)
     logits[:, 7] = 1.0  # token 7 every step (EOS ignored)
     return step_logits(logits, plan)

@@ -23,8 +23,8 @@ def first_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     seen = []
     execute = llm.engine.runner.execute
 
-    def wrapped(plan, all_ids, feed=None, images=None):
-        out = execute(plan, all_ids, feed, images)
+    def wrapped(plan, all_ids, feed=None, images=None, hidden=False):
+        out = execute(plan, all_ids, feed, images, hidden)
         seen.extend(out[rid].float().cpu() for rid in out)
         return out
 

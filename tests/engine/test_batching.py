@@ -33,8 +33,8 @@ def capture(engine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def wrapped(plan, all_ids, feed=None, images=None):
-        out = execute(plan, all_ids, feed, images)
+    def wrapped(plan, all_ids, feed=None, images=None, hidden=False):
+        out = execute(plan, all_ids, feed, images, hidden)
         for rid, lg in out.items():
             seen.setdefault(rid, []).append(lg.clone())
         return out

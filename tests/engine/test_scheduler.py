@@ -57,14 +57,14 @@ class FakeCache:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
-    def admit(self, rid: str, token_ids: list[int]) -> int | None:
+    def admit(self, rid: str, token_ids: list[int], reuse: bool = True) -> int | None:
         assert rid not in self.slots, f"double admission of {rid}"
         if not self.free_slots or rid in self.refuse:
             return None
         hits = [
             n
             for key, n in self.prefixes.items()
-            if len(key) < len(token_ids) and tuple(token_ids[: len(key)]) == key
+            if reuse and len(key) < len(token_ids) and tuple(token_ids[: len(key)]) == key
         ]
         restored = max(hits, default=0)
         need = math.ceil(restored / self.block_len)

@@ -70,8 +70,8 @@ def our_first_logits(llm, prompt) -> torch.Tensor:
     seen: list[torch.Tensor] = []
     execute = llm.engine.runner.execute
 
-    def wrapped(plan, all_ids, feed=None, images=None):
-        out = execute(plan, all_ids, feed, images)
+    def wrapped(plan, all_ids, feed=None, images=None, hidden=False):
+        out = execute(plan, all_ids, feed, images, hidden)
         seen.extend(out[rid].clone() for rid in out)
         return out
 

@@ -132,6 +132,12 @@ def test_completions_take_vllms_four_prompt_forms_as_one_batch(tiny_llm) -> None
         for choice, text, one in zip(echoed, texts, ids, strict=False):
             assert choice["text"].startswith(text)
             assert len(choice["logprobs"]["tokens"]) == len(one) + 2
+        # n choices of each prompt: the prompt scored once (by choice 0's prefill), shown in each
+        twice = post(prompt=texts[:2], echo=True, logprobs=1, max_tokens=2, n=2)["choices"]
+        for k, choice in enumerate(twice):
+            head = choice["logprobs"]["token_logprobs"][: len(ids[k // 2])]
+            assert head[1:] == pytest.approx(echoed[k // 2]["logprobs"]["token_logprobs"][
+                1: len(ids[k // 2])], abs=1e-6) and head[0] is None
         streamed = httpx.post(f"{base}/v1/completions", timeout=60, json={
             **greedy, "prompt": texts, "stream": True})
         parts = ["", "", ""]
