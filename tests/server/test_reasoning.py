@@ -3,10 +3,9 @@ in every cut of the text; and the logprobs a whole response joins from the strea
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from deltaserve.engine.engine import StepOutput
 from deltaserve.server.output import ChoiceOutput
 from deltaserve.server.reasoning import ReasoningSplitter, opens_think_block
 
@@ -16,10 +15,9 @@ TEXT = "Let me think.\nIt is 4.\n</think>\n\nThe answer is 4."
 def events(text: str, step: int, with_lps: bool = False) -> list:
     """text in pieces of `step` characters as engine events, one token id per piece."""
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
-    return [SimpleNamespace(text=p, token_ids=(i,), finished=i == len(pieces) - 1,
-                            finish_reason="stop" if i == len(pieces) - 1 else None,
-                            stop_reason=None,
-                            logprobs=((-0.5 * i, ((i, -0.5 * i),)),) if with_lps else None)
+    return [StepOutput("r", p, (i,), finished=i == len(pieces) - 1,
+                       finish_reason="stop" if i == len(pieces) - 1 else None,
+                       logprobs=((-0.5 * i, ((i, -0.5 * i),)),) if with_lps else None)
             for i, p in enumerate(pieces)]
 
 

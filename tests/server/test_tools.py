@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 
+from deltaserve.engine.engine import StepOutput
 from deltaserve.server.output import ChoiceOutput
 from deltaserve.server.tools import ToolCalls, ToolSpec, parse_call
 
@@ -86,10 +86,9 @@ def test_a_bad_block_beside_a_good_one() -> None:
 def events(text: str, cuts: list[int]) -> list:
     bounds = [0, *cuts, len(text)]
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    return [SimpleNamespace(text=p, token_ids=(i,), finished=i == len(pieces) - 1,
-                            finish_reason="stop" if i == len(pieces) - 1 else None,
-                            stop_reason=None,
-                            logprobs=None) for i, p in enumerate(pieces)]
+    return [StepOutput("r", p, (i,), finished=i == len(pieces) - 1,
+                       finish_reason="stop" if i == len(pieces) - 1 else None)
+            for i, p in enumerate(pieces)]
 
 
 TEXTS = [
