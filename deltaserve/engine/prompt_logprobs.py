@@ -34,7 +34,7 @@ def wanted(engine, plan) -> set[str]:
     out = set()
     for c in plan.chunks:
         live = engine.live(c.request_id)
-        if live is None or live.params.prompt_logprobs is None or len(c.token_ids) < 1:
+        if live is None or live.params.prompt_logprobs is None:
             continue
         if c.start_pos < len(engine.scheduler.get(c.request_id).prompt_ids) - 1:
             out.add(c.request_id)

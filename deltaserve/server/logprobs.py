@@ -61,7 +61,7 @@ def from_engine(llm, ids: list[int], entries: tuple, top_k: int) -> dict:
 
 def echo_end(decode, ids: list[int]) -> int:
     """The text offset just after an echoed prompt's last token (its tokens' texts, joined)."""
-    return sum(len(decode([t])) for t in ids)
+    return _offsets([decode([t]) for t in ids], 0)[1]
 
 
 def _completion_object(llm, ids, start, top_k, token_lps, tops) -> dict:
