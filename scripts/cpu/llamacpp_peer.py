@@ -28,25 +28,34 @@ from deltaserve.bench.record import device_info, git_commit  # noqa: E402
 from deltaserve.ops.native import isa_paths  # noqa: E402
 
 
-def ours(model: str, threads: int, prompt: int, tokens: int, repeats: int) -> dict:
+def ours(model: str, threads: int, prompt: int, tokens: int, repeats: int,
+         device: str = "cpu") -> dict:
+    """Our `deltaserve bench` on the model; on CUDA bf16 activations with its CUDA graphs."""
+    where = ["--dtype", "auto"] if device == "cpu" else ["--device", device, "--formats", "bf16"]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, "--dtype",
-                        "auto", "--prefill-lens", str(prompt or ""), "--decode-tokens",
+        subprocess.run([sys.executable, "-m", "deltaserve", "bench", "--model", model, *where,
+                        "--prefill-lens", str(prompt or ""), "--decode-tokens",
                         str(tokens), "--repeats", str(repeats), "--peer", "none", "--out", f.name],
                        check=True, capture_output=True,
                        env={**os.environ, "DELTASERVE_NUM_THREADS": str(threads)})
         rec = json.loads(Path(f.name).read_text())
-    eng = rec["engines"]["deltaserve"]
-    out = {"dtype": rec.get("dtype"), "decode_tok_s": eng["decode_tok_s"],
-           "roofline_pct": eng.get("roofline_pct"), "memory_read_gbs": rec["memory_read_gbs"],
-           "bytes_per_token": eng.get("bytes_per_token")}
+    eng = rec["engines"]["deltaserve" if device == "cpu" else "deltaserve-bf16"]
+    out = {"dtype": rec.get("dtype", "bfloat16"), "decode_tok_s": eng["decode_tok_s"],
+           "roofline_pct": eng.get("roofline_pct"), "bytes_per_token": eng.get("bytes_per_token"),
+           "memory_read_gbs": rec.get("memory_read_gbs"), "copy_gbs": rec.get("copy_gbs")}
+    if device != "cpu":
+        out.update(decode_greedy_head_tok_s=eng.get("decode_greedy_head_tok_s"),
+                   gpu_mem_gb=eng.get("gpu_mem_gb"))
     if prompt:
         out[f"prefill_{prompt}_tok_s"] = eng[f"prefill_{prompt}_tok_s"]
     return out
 
 
-def llama(binary: str, gguf: str, threads: int, prompt: int, tokens: int, repeats: int) -> dict:
-    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n",
+def llama(binary: str, gguf: str, threads: int, prompt: int, tokens: int, repeats: int,
+          device: str = "cpu") -> dict:
+    """llama-bench on the file; on CUDA every layer offloaded, flash attention on."""
+    gpu = [] if device == "cpu" else ["-ngl", "99", "-fa", "1"]
+    proc = subprocess.run([binary, "-m", gguf, "-t", str(threads), *gpu, "-p", str(prompt), "-n",
                            str(tokens), "-r", str(repeats), "-o", "json"], check=True,
                           capture_output=True, text=True)
     rows = json.loads(proc.stdout)
@@ -68,6 +77,7 @@ def main() -> None:
                     help="prefill length timed (0: decode only, for a build whose prefill fails)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run, each side")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (llama.cpp built with CUDA)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     # the knobs that restrict our kernels and torch's to an instruction set (an AVX2-only
@@ -76,8 +86,8 @@ def main() -> None:
                                           "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
                                           "DELTASERVE_EXACT_INT8_ACT")
                if k in os.environ}
-    record = {"kind": "cpu-llamacpp-peer", "git_commit": git_commit(),
-              "device": device_info("cpu"), "threads": args.threads, "prompt": args.prompt,
+    record = {"kind": f"{args.device}-llamacpp-peer", "git_commit": git_commit(),
+              "device": device_info(args.device), "threads": args.threads, "prompt": args.prompt,
               "decode_tokens": args.decode_tokens, "repeats": args.repeats,
               "llama_bench": args.llama_bench, "isa_env": isa_env,
               "isa_paths": list(isa_paths()), "pairs": {}}
@@ -86,9 +96,9 @@ def main() -> None:
         runs = []
         for _ in range(args.rounds):
             n, r = args.decode_tokens, args.repeats
-            runs.append({"deltaserve": ours(model, args.threads, args.prompt, n, r),
+            runs.append({"deltaserve": ours(model, args.threads, args.prompt, n, r, args.device),
                          "llama.cpp": llama(args.llama_bench, gguf, args.threads, args.prompt, n,
-                                            r)})
+                                            r, args.device)})
             print(json.dumps(runs[-1]), file=sys.stderr)
         keys = ["decode_tok_s"] + ([f"prefill_{args.prompt}_tok_s"] if args.prompt else [])
         med = {e: {k: statistics.median(r[e][k] for r in runs) for k in keys} for e in runs[0]}
