@@ -60,17 +60,13 @@ static void quantize_x32(const float* x, int8_t* xq, float* dx, float* dx16, flo
 }
 
 // the 8 six-bit scales (bytes 0-7) and mins (bytes 8-15) of a Q4_K / Q5_K block (llama.cpp's
-// utmp shuffle)
-static inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
-  uint32_t u[4];
-  memcpy(u, s, 12);
+// utmp shuffle), built in registers (a 16-byte load of four 4-byte stores stalls on forwarding)
+static inline __m128i k4_scales(const uint8_t* s) {
+  uint32_t u0, u1, u2;
+  memcpy(&u0, s, 4), memcpy(&u1, s + 4, 4), memcpy(&u2, s + 8, 4);
   const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
-  const uint32_t mins_lo = u[1] & m1;
-  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
-  u[2] = mins_lo;
-  u[0] &= m1;
-  memcpy(out, u, 16);
+  return _mm_set_epi32((int)(((u2 >> 4) & m2) | (((u1 >> 6) & m3) << 4)), (int)(u1 & m1),
+                       (int)((u2 & m2) | (((u0 >> 6) & m3) << 4)), (int)(u0 & m1));
 }
 
 typedef struct {
@@ -90,25 +86,39 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// four int32 vectors -> [d0 lanes 0-3, d1 0-3, d2 0-3, d3 0-3 | the same of lanes 4-7], each a
+// sum of four lanes (exact: no product sum here comes near 2^31)
+static inline __m256i quarter_sums(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+}
+
+// eight int32 vectors -> lane i the sum of vector i's lanes: a block's 8 sub-block dot products
+// in one register, scaled by one FMA (per-sub-block broadcasts and FMAs made the kernel
+// compute-bound at half the memory's rate on a Zen 2)
+static inline __m256 block_sums(const __m256i d[8]) {
+  const __m256i a = quarter_sums(d[0], d[1], d[2], d[3]);
+  const __m256i b = quarter_sums(d[4], d[5], d[6], d[7]);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                             _mm256_permute2x128_si256(a, b, 0x31)));
+}
+
 // Q4_K (five = 0: d, dmin, scales[12], qs[128]) and Q5_K (five = 1: qh[32] before qs)
 static inline __attribute__((always_inline)) float row_k4(const uint8_t* w, long nb, Act a,
                                                           int five) {
-  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();  // lane i: sub-block i
   const long size = five ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   for (long j = 0; j < nb; j++) {
     const uint8_t* b = w + j * size;
-    uint8_t sm[16];
-    k4_scales(b + 4, sm);
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)sm);
+    const __m128i bytes = k4_scales(b + 4);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    float step[8];  // each sub-block's d * sc * dx
-    _mm256_storeu_ps(step, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc),
-                                         _mm256_loadu_ps(a.dx + 8 * j)));
+    const __m256 step = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc),
+                                      _mm256_loadu_ps(a.dx + 8 * j));  // d * sc * dx
     mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), mn),
                            _mm256_loadu_ps(a.xs32 + 8 * j), mins);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+    __m256i dots[8];
     for (int c = 0; c < 4; c++) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
       const __m256i q = _mm256_loadu_si256((const __m256i*)(b + (five ? 48 : 16) + 32 * c));
       __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
@@ -119,10 +129,10 @@ static inline __attribute__((always_inline)) float row_k4(const uint8_t* w, long
                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
       }
       const int8_t* x = a.xq + 256 * j + 64 * c;
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(lo, x)), _mm256_set1_ps(step[2 * c]), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(hi, x + 32)),
-                            _mm256_set1_ps(step[2 * c + 1]), acc);
+      dots[2 * c] = dot32(lo, x);
+      dots[2 * c + 1] = dot32(hi, x + 32);
     }
+    acc = _mm256_fmadd_ps(block_sums(dots), step, acc);
   }
   return hsum8(acc) - hsum8(mins);
 }
@@ -144,6 +154,9 @@ static inline void q6_codes(const uint8_t* b, int h, int t, __m256i* a, __m256i*
 }
 
 static float row_q6_k(const uint8_t* w, long nb, Act a) {
+  // per half of a block (chunks 0-1, 2-3: groups 0-7, 8-15) lane order G0 G2 G4 G6 G1 G3 G5 G7
+  // (quarter_sums of the four 32-weight dots, lanes 0-3 of each one group, 4-7 the next)
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
   for (long j = 0; j < nb; j++) {
     const uint8_t* b = w + j * 210;
@@ -157,21 +170,20 @@ static float row_q6_k(const uint8_t* w, long nb, Act a) {
         _mm256_loadu_ps(a.dx16 + 16 * j + 8));
     corr = _mm256_fmadd_ps(step0, _mm256_loadu_ps(a.xs16 + 16 * j), corr);
     corr = _mm256_fmadd_ps(step1, _mm256_loadu_ps(a.xs16 + 16 * j + 8), corr);
+    __m256i dots[8];
     for (int h = 0; h < 2; h++)
       for (int t = 0; t < 2; t++) {
         const int chunk = 2 * h + t;  // weights 64 chunk .. + 63: groups 4 chunk .. + 3
-        const __m256 steps = chunk < 2 ? step0 : step1;
-        const int g = (4 * chunk) % 8;  // lanes 0-3 of a 32-weight half: group g, 4-7: g + 1
-        const __m256i first = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
-        const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(2));
         __m256i ua, uc;
         q6_codes(b, h, t, &ua, &uc);
         const int8_t* x = a.xq + 256 * j + 64 * chunk;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(ua, x)),
-                              _mm256_permutevar8x32_ps(steps, first), acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(uc, x + 32)),
-                              _mm256_permutevar8x32_ps(steps, second), acc);
+        dots[2 * chunk] = dot32(ua, x);
+        dots[2 * chunk + 1] = dot32(uc, x + 32);
       }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quarter_sums(dots[0], dots[1], dots[2], dots[3])),
+                          _mm256_permutevar8x32_ps(step0, order), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quarter_sums(dots[4], dots[5], dots[6], dots[7])),
+                          _mm256_permutevar8x32_ps(step1, order), acc);
   }
   return hsum8(acc) - hsum8(corr);
 }
@@ -182,18 +194,26 @@ static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 // IQ4_XS: codebook values looked up 32 at a time (VPSHUFB); |v| meets x with v's sign
 static float row_iq4_xs(const uint8_t* w, long nb, Act a) {
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_TABLE));
-  const __m256i m4 = _mm256_set1_epi8(15);
-  __m256 acc = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  // sub-block s's 6-bit scale: bits 4s..4s+3 of bytes 4-7, bits 2s, 2s + 1 of bytes 2-3
+  const __m256i low_at = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i high_at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  __m256 acc = _mm256_setzero_ps();  // lane i: sub-block i
   for (long j = 0; j < nb; j++) {
     const uint8_t* b = w + j * 136;
-    const int high = b[2] | (b[3] << 8);
-    float ls[8], step[8];
-    for (int s = 0; s < 8; s++)
-      ls[s] = (float)((((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4))
-                      - 32);
-    _mm256_storeu_ps(step, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b)),
-                                                       _mm256_loadu_ps(ls)),
-                                         _mm256_loadu_ps(a.dx + 8 * j)));
+    uint32_t low;
+    memcpy(&low, b + 4, 4);
+    const __m256i ls = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)low), low_at),
+                         _mm256_set1_epi32(15)),
+        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[2] | (b[3] << 8)),
+                                                             high_at),
+                                           _mm256_set1_epi32(3)), 4));
+    const __m256 step = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(half_at(b)),
+                      _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)))),
+        _mm256_loadu_ps(a.dx + 8 * j));
+    __m256i dots[8];
     for (int c = 0; c < 4; c++) {  // sub-blocks 2c, 2c + 1: 16 bytes each, low nibbles first
       const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 8 + 32 * c));
       const __m256i lo = _mm256_and_si256(q, m4);
@@ -203,10 +223,10 @@ static float row_iq4_xs(const uint8_t* w, long nb, Act a) {
         const __m256i v = _mm256_shuffle_epi8(table, codes);
         const __m256i x = _mm256_loadu_si256((const __m256i*)(a.xq + 256 * j + 64 * c + 32 * s));
         const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v));
-        const __m256i dot = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(step[2 * c + s]), acc);
+        dots[2 * c + s] = _mm256_madd_epi16(p, ones);
       }
     }
+    acc = _mm256_fmadd_ps(block_sums(dots), step, acc);
   }
   return hsum8(acc);
 }
