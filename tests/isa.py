@@ -28,6 +28,11 @@ needs_int8_act = pytest.mark.skipif(
     not {"vnni-int8", "avx2-int8"} & set(PATHS),
     reason=_WHY.format("int8-activation int8 GEMV", "AVX512-VNNI and AVX2"),
 )
+# the 4-bit affine GEMV on int8 activations of either build
+needs_int4_act = pytest.mark.skipif(
+    not {"vnni-int4", "avx2-int4"} & set(PATHS),
+    reason=_WHY.format("int8-activation int4 GEMV", "AVX512-VNNI and AVX2"),
+)
 without_int8_act = pytest.mark.skipif(
     bool({"vnni-int8", "avx2-int8"} & set(PATHS)),
     reason="an int8-activation int8 GEMV is built here: the fallback is not used",

@@ -27,7 +27,7 @@ from tests.distributed.tp_cases import (
     tp_worker,
     write_08b_shape,
 )
-from tests.isa import needs_vnni_int4
+from tests.isa import needs_int4_act
 
 TOLERANCE = 1e-5
 
@@ -82,7 +82,7 @@ def test_tp2_equals_tp1_on_tiny(tiny_dir, int4_dir, tmp_path, monkeypatch) -> No
     assert got[0]["tokens"] == got[1]["tokens"]  # greedy head == argmax of the gathered logits
 
 
-@needs_vnni_int4
+@needs_int4_act
 def test_tp2_on_int8_activations_stays_within_their_rounding(int4_dir, tmp_path,
                                                            monkeypatch) -> None:
     """int4 on the VNNI kernels (x rounded per group to int8, ops/qgemv.py). Each rank's shard

@@ -1,4 +1,5 @@
-"""The 4-bit affine decode GEMV on int8 activations (ds_gemv_a4_vnni, ops/csrc/gemv_vnni.c)
+"""The 4-bit affine decode GEMV on int8 activations (ds_gemv_a4_vnni: ops/csrc/gemv_vnni.c, or
+gemv_q8_avx2.c on AVX2 CPUs)
 against its exact reference (qgemv_act_ref) and against the spec, on fresh random inputs."""
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from deltaserve.ops.qgemv import (
     quantize_act,
 )
 from deltaserve.quant.schemes import FORMATS, Scheme, quantize, unpack_codes
-from tests.isa import needs_vnni_int4
+from tests.isa import needs_int4_act
 
 # every test here calls the kernel; tests/ops/test_isa_paths.py makes sure a CPU with AVX512-VNNI
-# builds it, so these skip only where the CPU or DELTASERVE_CPU_MARCH lacks it
-pytestmark = needs_vnni_int4
+# or AVX2 builds it, so these skip only where the CPU or DELTASERVE_CPU_MARCH lacks both
+pytestmark = needs_int4_act
 
 INT4 = FORMATS["int4"]
 

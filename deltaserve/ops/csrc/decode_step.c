@@ -128,7 +128,7 @@ void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M
                 long G, int num_threads, int scale_kind);
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
                      long K, long G, int num_threads, int scale_kind);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))  // gemv_vnni.c or gemv_q8_avx2.c
 void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                      long M, long N, long K, long G, int num_threads, int scale_kind);
 #endif
@@ -141,9 +141,9 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
     // gemv_vnni.c, or gemv_q8_avx2.c on AVX2 builds
     case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+    case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_Q1_VNNI: ds_gemv_q1_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
@@ -175,8 +175,6 @@ static void matmat(const DsMat* m, const float* x, float* y, long rows, int thre
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   } else if (m->kind == DS_Q8_VNNI) {
     ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   } else if (m->kind == DS_A4_VNNI) {
     ds_gemm_a4_vnni(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
 #endif

@@ -1,5 +1,5 @@
-// int8 codes on int8 activations (Q8_0 x Q8_0 semantics) for CPUs with AVX2 but without
-// AVX512-VNNI (most laptops): gemv_vnni.c's int8 math (x rounded per group of G to int8 steps,
+// int8 and 4-bit affine codes on int8 activations (Q8_0 x Q8_0 semantics) for CPUs with AVX2 but
+// without AVX512-VNNI (most laptops): gemv_vnni.c's int8 math (x rounded per group of G to int8 steps,
 // d = absmax / 127, round to nearest even) with VPMADDUBSW on |w| and x carrying w's sign
 // (|w| <= 128, |xq| <= 127: the 16-bit pair sums never saturate) and VPMADDWD into int32 lanes.
 // Per group: the integer dot to fp32, one FMA by s * dx. The same symbols as the VNNI build
@@ -18,9 +18,14 @@ void ds_gemv_q8(const int8_t* w, const void* s, const float* x, float* y, long N
                 int num_threads, int scale_kind);
 void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M, long N, long K,
                 long G, int num_threads, int scale_kind);
+void ds_gemv_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y, long N,
+                long K, long G, int num_threads, int scale_kind);
+void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                long M, long N, long K, long G, int num_threads, int scale_kind);
 
-// marks this build's int8-activation GEMV as the AVX2 one (ops/native.isa_paths)
+// mark this build's int8-activation GEMVs as the AVX2 ones (ops/native.isa_paths)
 int ds_int8_act_avx2(void) { return 1; }
+int ds_int4_act_avx2(void) { return 1; }
 
 #define MAX_G 512  // as gemv_vnni.c's VNNI_MAX_G
 
@@ -63,11 +68,14 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// one weight row (scales from index s0 on) against one quantized activation row
+// one weight row (scales from index s0 on) against one quantized activation row; four fp32
+// accumulators (group g on g % 4, summed in one fixed order): on one, each group waited out the
+// previous group's FMA
 static float row_q8(const int8_t* w, const void* s, int sk, long s0, const int8_t* xq,
                     const float* dx, long K, long G) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 total = _mm256_setzero_ps();
+  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
   for (long g = 0; g < K / G; g++) {
     __m256i acc = _mm256_setzero_si256();
     for (long k = g * G; k < (g + 1) * G; k += 32) {
@@ -77,9 +85,9 @@ static float row_q8(const int8_t* w, const void* s, int sk, long s0, const int8_
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
     }
     const float f = ds_scale(s, s0 + g, sk) * dx[g];
-    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f), total);
+    total[g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f), total[g & 3]);
   }
-  return hsum8(total);
+  return hsum8(_mm256_add_ps(_mm256_add_ps(total[0], total[1]), _mm256_add_ps(total[2], total[3])));
 }
 
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
@@ -107,5 +115,88 @@ void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, l
     return;
   }
   ds_gemm_q8_vnni(w, s, x, y, 1, N, K, G, num_threads, scale_kind);
+}
+
+// ---- 4-bit affine codes on int8 activations: gemv_vnni.c's a4 math ----
+// w = s * q + b with q in 0..15: per group y += s * dx * dot(q, xq) + b * dx * sum(xq), the codes
+// the unsigned side of VPMADDUBSW as they are (a pair sum <= 2 * 15 * 127). A 32-byte chunk of a
+// row is 64 elements, low nibbles the even ones and high the odd: x is split per 64 into its even
+// (xe) and odd (xo) halves once per call. Groups as the VNNI kernel takes them (G % 64 == 0).
+
+static int a4_shape_ok(long K, long G) { return G % 64 == 0 && G <= MAX_G && K % G == 0; }
+
+typedef struct {
+  int8_t *xe, *xo;  // [K/2] each
+  float *dx, *xs;  // [K/G]: the group's step; dx * sum(xq) over the group
+} XqA4;
+
+static void quantize_x_a4(const float* x, int8_t* xq, XqA4 q, long K, long G) {
+  quantize_x(x, xq, q.dx, K, G);
+  for (long i = 0; i < K / 2; i++) {  // chunk i / 32, its elements 2 * (i % 32) and + 1
+    q.xe[i] = xq[2 * i];
+    q.xo[i] = xq[2 * i + 1];
+  }
+  for (long g = 0; g < K / G; g++) {
+    int32_t sum = 0;  // |sum| <= 127 * G: exact in fp32
+    for (long k = g * G; k < (g + 1) * G; k++) sum += xq[k];
+    q.xs[g] = q.dx[g] * (float)sum;
+  }
+}
+
+static float row_a4(const uint8_t* w, const void* s, const void* b, int sk, long s0, XqA4 q,
+                    long K, long G) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};  // group g on g % 4, as row_q8
+  float bias[2] = {0.f, 0.f};
+  for (long g = 0; g < K / G; g++) {
+    __m256i acc = _mm256_setzero_si256();
+    for (long i = g * G / 2; i < (g + 1) * G / 2; i += 32) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + i));
+      const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(v, low),
+                                                _mm256_loadu_si256((const __m256i*)(q.xe + i)));
+      const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                               _mm256_loadu_si256((const __m256i*)(q.xo + i)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
+    }
+    const float f = ds_scale(s, s0 + g, sk) * q.dx[g];
+    total[g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f), total[g & 3]);
+    bias[g & 1] += ds_scale(b, s0 + g, sk) * q.xs[g];
+  }
+  return hsum8(_mm256_add_ps(_mm256_add_ps(total[0], total[1]), _mm256_add_ps(total[2], total[3])))
+         + (bias[0] + bias[1]);
+}
+
+void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                     long M, long N, long K, long G, int num_threads, int scale_kind) {
+  if (!a4_shape_ok(K, G)) {  // the bits of a ds_gemv_a4 per row
+    ds_gemm_a4(w, s, b, x, y, M, N, K, G, num_threads, scale_kind);
+    return;
+  }
+  int8_t* xq = malloc(K);
+  int8_t* codes = malloc(M * K);
+  float* f = malloc(sizeof(float) * M * 2 * (K / G));
+  if (xq == NULL || codes == NULL || f == NULL) abort();  // out of memory: stop, not write NULL
+  XqA4* rows = malloc(sizeof(XqA4) * M);
+  if (rows == NULL) abort();
+  for (long m = 0; m < M; m++) {
+    rows[m] = (XqA4){codes + m * K, codes + m * K + K / 2, f + m * 2 * (K / G),
+                     f + m * 2 * (K / G) + K / G};
+    quantize_x_a4(x + m * K, xq, rows[m], K, G);
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++)
+    for (long m = 0; m < M; m++)
+      y[m * N + n] = row_a4(w + n * (K / 2), s, b, scale_kind, n * (K / G), rows[m], K, G);
+  free(xq), free(codes), free(f), free(rows);
+}
+
+void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
+                     long N, long K, long G, int num_threads, int scale_kind) {
+  if (!a4_shape_ok(K, G)) {
+    ds_gemv_a4(w, s, b, x, y, N, K, G, num_threads, scale_kind);
+    return;
+  }
+  ds_gemm_a4_vnni(w, s, b, x, y, 1, N, K, G, num_threads, scale_kind);
 }
 #endif
