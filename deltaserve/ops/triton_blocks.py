@@ -5,7 +5,7 @@ One program computes BLOCK_N output rows of one input row and walks K one 256-we
 time: per 32- (or 16-) weight sub-block a dot of the codes with x, times the sub-block's scale;
 the K-quants' mins come off as dmin * m * sum(x) per sub-block, so no weight is ever rebuilt.
 Weights arrive as uint8 [N, K / 256 * bytes] and as the same memory seen as int16 (the fp16 d /
-dmin at even offsets). Contract: dequantize_blocks then F.linear (tests/ops/test_triton_blocks.py).
+dmin at even offsets). Contract: dequantize_blocks then F.linear (tests/ops/test_blocks.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from deltaserve.quant.ggml_blocks import BLOCKS, IQ4_VALUES
 
 KINDS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 BLOCK_N = 16
+
+
+def supports(scheme) -> bool:
+    """The block layouts these kernels read (quant/linear's dispatch asks every Triton kernel)."""
+    return scheme.kind in KINDS
 _LUT: dict[torch.device, torch.Tensor] = {}
 
 if triton is not None:

@@ -87,3 +87,20 @@ def test_triton_gemv_matches_the_reference(kind, rows) -> None:
     y = triton_blocks.gemv_blocks_cuda(x, w, kind)
     want = x.double() @ dequantize_blocks(w, kind).double().T
     assert y.shape == (rows, 45) and rel(y, want) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "iq4_xs", "q2_k", "q8_0"])
+def test_every_cuda_verifier_of_a_block_linear_answers(kind, monkeypatch) -> None:
+    """quant_linear's dispatch on a CUDA decode row of a block layout asks each Triton kernel
+    module (supports, available): every verifier must answer, and the block GEMV take the kinds
+    it reads when the backend is on (a missing `supports` once failed only on the GPU)."""
+    from deltaserve.ops import triton_blocks
+    from deltaserve.ops.dispatch import Case
+    from deltaserve.quant.linear import QUANT_LINEAR
+    from deltaserve.quant.schemes import Scheme
+
+    scheme = Scheme(kind, BLOCKS[kind][3], BLOCKS[kind][1]) if kind != "q8_0" else \
+        Scheme("int8", 8, 32)
+    monkeypatch.setattr(triton_blocks, "available", lambda: True)
+    why = dict(QUANT_LINEAR.explain(Case("cuda", torch.bfloat16, (scheme, True, False, True))))
+    assert (why["triton_blocks"] is None) == (kind in triton_blocks.KINDS)
