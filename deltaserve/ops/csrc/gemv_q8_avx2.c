@@ -13,6 +13,7 @@
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "lanes_avx2.h"
 
 void ds_gemv_q8(const int8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
                 int num_threads, int scale_kind);
@@ -60,12 +61,6 @@ static void quantize_x(const float* x, int8_t* xq, float* dx, long K, long G) {
     }
     dx[g] = d;
   }
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // one weight row (scales from index s0 on) against one quantized activation row; four fp32
@@ -143,28 +138,56 @@ static void quantize_x_a4(const float* x, int8_t* xq, XqA4 q, long K, long G) {
   }
 }
 
+// eight scales (or biases) of kind sk from index at, as fp32
+static inline __m256 scales8(const void* s, long at, int sk) {
+#if defined(__F16C__)
+  if (sk == DS_SCALE_F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at)));
+#endif
+  if (sk == DS_SCALE_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at))), 16));
+  if (sk == DS_SCALE_F32) return _mm256_loadu_ps((const float*)s + at);
+  float v[8];
+  for (int i = 0; i < 8; i++) v[i] = ds_scale(s, at + i, sk);
+  return _mm256_loadu_ps(v);
+}
+
+// group g's integer dot of its codes with xq, in 8 int32 lanes
+static inline __m256i group_dot_a4(const uint8_t* w, XqA4 q, long g, long G) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256i acc = _mm256_setzero_si256();
+  for (long i = g * G / 2; i < (g + 1) * G / 2; i += 32) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + i));
+    const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(v, low),
+                                              _mm256_loadu_si256((const __m256i*)(q.xe + i)));
+    const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                             _mm256_loadu_si256((const __m256i*)(q.xo + i)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
+  }
+  return acc;
+}
+
+// per 8 groups: their dots in one register (block_sums), times s * dx by one FMA, the biases
+// times xs by another; the groups past the last 8 one at a time
 static float row_a4(const uint8_t* w, const void* s, const void* b, int sk, long s0, XqA4 q,
                     long K, long G) {
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};  // group g on g % 4, as row_q8
-  float bias[2] = {0.f, 0.f};
-  for (long g = 0; g < K / G; g++) {
-    __m256i acc = _mm256_setzero_si256();
-    for (long i = g * G / 2; i < (g + 1) * G / 2; i += 32) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + i));
-      const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(v, low),
-                                                _mm256_loadu_si256((const __m256i*)(q.xe + i)));
-      const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                               _mm256_loadu_si256((const __m256i*)(q.xo + i)));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
-    }
-    const float f = ds_scale(s, s0 + g, sk) * q.dx[g];
-    total[g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f), total[g & 3]);
-    bias[g & 1] += ds_scale(b, s0 + g, sk) * q.xs[g];
+  const long ng = K / G;
+  __m256 total = _mm256_setzero_ps(), bias = _mm256_setzero_ps();
+  long g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    __m256i dots[8];
+    for (int j = 0; j < 8; j++) dots[j] = group_dot_a4(w, q, g + j, G);
+    total = _mm256_fmadd_ps(block_sums(dots),
+                            _mm256_mul_ps(scales8(s, s0 + g, sk), _mm256_loadu_ps(q.dx + g)),
+                            total);
+    bias = _mm256_fmadd_ps(scales8(b, s0 + g, sk), _mm256_loadu_ps(q.xs + g), bias);
   }
-  return hsum8(_mm256_add_ps(_mm256_add_ps(total[0], total[1]), _mm256_add_ps(total[2], total[3])))
-         + (bias[0] + bias[1]);
+  float tail = 0.f;
+  for (; g < ng; g++)  // lanes exact in fp32 (|sum| <= 15 * 127 * G), so is their sum
+    tail += hsum8(_mm256_cvtepi32_ps(group_dot_a4(w, q, g, G))) * (ds_scale(s, s0 + g, sk) * q.dx[g])
+            + ds_scale(b, s0 + g, sk) * q.xs[g];
+  return hsum8(total) + hsum8(bias) + tail;
 }
 
 void ds_gemm_a4_vnni(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
