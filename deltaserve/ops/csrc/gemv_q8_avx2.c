@@ -63,26 +63,38 @@ static void quantize_x(const float* x, int8_t* xq, float* dx, long K, long G) {
   }
 }
 
-// one weight row (scales from index s0 on) against one quantized activation row; four fp32
-// accumulators (group g on g % 4, summed in one fixed order): on one, each group waited out the
-// previous group's FMA
+// group g's integer dot of its codes with xq, in 8 int32 lanes
+static inline __m256i group_dot_q8(const int8_t* w, const int8_t* xq, long g, long G) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (long k = g * G; k < (g + 1) * G; k += 32) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + k));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  return acc;
+}
+
+static inline __m256 scales8(const void* s, long at, int sk);
+
+// one weight row (scales from index s0 on) against one quantized activation row: per 8 groups
+// their dots in one register (block_sums) times s * dx by one FMA; the rest one at a time
 static float row_q8(const int8_t* w, const void* s, int sk, long s0, const int8_t* xq,
                     const float* dx, long K, long G) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-  for (long g = 0; g < K / G; g++) {
-    __m256i acc = _mm256_setzero_si256();
-    for (long k = g * G; k < (g + 1) * G; k += 32) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + k));
-      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-    }
-    const float f = ds_scale(s, s0 + g, sk) * dx[g];
-    total[g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f), total[g & 3]);
+  const long ng = K / G;
+  __m256 total = _mm256_setzero_ps();
+  long g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    __m256i dots[8];
+    for (int j = 0; j < 8; j++) dots[j] = group_dot_q8(w, xq, g + j, G);
+    total = _mm256_fmadd_ps(block_sums(dots),
+                            _mm256_mul_ps(scales8(s, s0 + g, sk), _mm256_loadu_ps(dx + g)), total);
   }
-  return hsum8(_mm256_add_ps(_mm256_add_ps(total[0], total[1]), _mm256_add_ps(total[2], total[3])));
+  float tail = 0.f;
+  for (; g < ng; g++)  // lanes exact in fp32 (|sum| <= 128 * 127 * G), so is their sum
+    tail += hsum8(_mm256_cvtepi32_ps(group_dot_q8(w, xq, g, G))) * (ds_scale(s, s0 + g, sk) * dx[g]);
+  return hsum8(total) + tail;
 }
 
 void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
