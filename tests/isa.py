@@ -33,6 +33,11 @@ needs_int4_act = pytest.mark.skipif(
     not {"vnni-int4", "avx2-int4"} & set(PATHS),
     reason=_WHY.format("int8-activation int4 GEMV", "AVX512-VNNI and AVX2"),
 )
+# the 1-bit GEMV on int8 activations (VNNI builds have it with their int8 one)
+needs_q1_act = pytest.mark.skipif(
+    not {"vnni-int8", "avx2-q1"} & set(PATHS),
+    reason=_WHY.format("int8-activation 1-bit GEMV", "AVX512-VNNI and AVX2"),
+)
 without_int8_act = pytest.mark.skipif(
     bool({"vnni-int8", "avx2-int8"} & set(PATHS)),
     reason="an int8-activation int8 GEMV is built here: the fallback is not used",

@@ -174,8 +174,8 @@ _ISA_SYMBOLS = {"vnni-int8": "ds_gemv_q8_vnni", "vnni-int4": "ds_gemv_a4_vnni",
 def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
     """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512"
     or "avx2" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
-    hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs; "avx2-int8" / "avx2-int4": the
-    same on AVX2's maddubs); "int8-blocks" (the GGUF
+    hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs, the 1-bit one with the
+    first; "avx2-int8" / "avx2-int4" / "avx2-q1": the same on AVX2's maddubs); "int8-blocks" (the GGUF
     block GEMMs on int8 activations: VNNI, or AVX2's maddubs); "amx-bf16" (the AMX GEMM,
     which also needs the kernel's grant at run time: ops/gemm_amx.available). () without kernels;
     "unknown" first for a library without ds_simd_isa (built before it)."""
@@ -193,4 +193,6 @@ def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
         paths[paths.index("vnni-int8")] = "avx2-int8"
     if hasattr(lib, "ds_int4_act_avx2"):  # and the 4-bit one's
         paths[paths.index("vnni-int4")] = "avx2-int4"
+    if hasattr(lib, "ds_q1_act_avx2"):  # the 1-bit one (VNNI builds: part of "vnni-int8")
+        paths.insert(paths.index("avx2-int4") + 1, "avx2-q1")
     return (vector, *(["f16c"] if bits & 4 else []), *paths)

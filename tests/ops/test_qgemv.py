@@ -19,7 +19,7 @@ from deltaserve.ops.qgemv import (
     quantize_act,
 )
 from deltaserve.quant.schemes import FORMATS, INT8, Scheme, dequantize, quantize
-from tests.isa import needs_int8_act, needs_vnni_int8, without_int8_act
+from tests.isa import needs_int8_act, needs_q1_act, needs_vnni_int8, without_int8_act
 
 SCHEMES = {**FORMATS, "int8-g32": Scheme("int8", 8, 32), "affine8": Scheme("affine", 8, 64)}
 
@@ -153,7 +153,7 @@ def test_int8_decode_dispatch_follows_the_knob(monkeypatch) -> None:
 Q1 = FORMATS["q1"]
 
 
-@needs_vnni_int8
+@needs_q1_act
 @pytest.mark.parametrize(("rows", "cols"), [(7, 256), (203, 896), (1000, 1024), (66, 5120)])
 def test_q1_vnni_kernel_matches_the_int8_activation_reference(rows, cols) -> None:
     """1-bit codes (GGUF Q1_0) on int8 activations: the bits of W x^ (x rounded per group of 128,
@@ -170,10 +170,10 @@ def test_q1_vnni_kernel_matches_the_int8_activation_reference(rows, cols) -> Non
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-6
     spec = qgemv_ref(x, p, Q1)
     assert ((out - spec).norm() / spec.norm()).item() <= 1.5e-2
-    assert not torch.equal(out, spec)  # the activation rounding is there: the VNNI kernel ran
+    assert not torch.equal(out, spec)  # the activation rounding is there: the kernel ran
 
 
-@needs_vnni_int8
+@needs_q1_act
 def test_q1_vnni_kernel_follows_the_knob_and_keeps_zero_and_nan_groups(monkeypatch) -> None:
     p = {"weight": torch.randint(0, 256, (64, 32), dtype=torch.uint8),
          "scales": torch.rand(64, 2).half()}

@@ -142,8 +142,6 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
     // gemv_vnni.c, or gemv_q8_avx2.c on AVX2 builds
     case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case DS_Q1_VNNI: ds_gemv_q1_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
     case DS_A4: ds_gemv_a4(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;

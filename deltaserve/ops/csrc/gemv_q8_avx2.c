@@ -1,4 +1,4 @@
-// int8 and 4-bit affine codes on int8 activations (Q8_0 x Q8_0 semantics) for CPUs with AVX2 but
+// int8, 4-bit affine and 1-bit codes on int8 activations (Q8_0 x Q8_0 semantics) for CPUs with AVX2 but
 // without AVX512-VNNI (most laptops): gemv_vnni.c's int8 math (x rounded per group of G to int8 steps,
 // d = absmax / 127, round to nearest even) with VPMADDUBSW on |w| and x carrying w's sign
 // (|w| <= 128, |xq| <= 127: the 16-bit pair sums never saturate) and VPMADDWD into int32 lanes.
@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "scales.h"
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
@@ -21,12 +22,15 @@ void ds_gemm_q8(const int8_t* w, const void* s, const float* x, float* y, long M
                 long G, int num_threads, int scale_kind);
 void ds_gemv_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y, long N,
                 long K, long G, int num_threads, int scale_kind);
+void ds_gemv_q1(const uint8_t* w, const void* s, const float* x, float* y, long N, long K, long G,
+                int num_threads, int scale_kind);
 void ds_gemm_a4(const uint8_t* w, const void* s, const void* b, const float* x, float* y,
                 long M, long N, long K, long G, int num_threads, int scale_kind);
 
 // mark this build's int8-activation GEMVs as the AVX2 ones (ops/native.isa_paths)
 int ds_int8_act_avx2(void) { return 1; }
 int ds_int4_act_avx2(void) { return 1; }
+int ds_q1_act_avx2(void) { return 1; }
 
 #define MAX_G 512  // as gemv_vnni.c's VNNI_MAX_G
 
@@ -233,5 +237,83 @@ void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float
     return;
   }
   ds_gemm_a4_vnni(w, s, b, x, y, 1, N, K, G, num_threads, scale_kind);
+}
+
+// ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations: gemv_vnni.c's q1 math ----
+// w = s * (2b - 1), x rounded per 32: per 32 y += s * dx * (2 * sum(xq where b) - sum(xq)). Four
+// code bytes become 32 bytes 2 / 0 (broadcast, a bit per lane, compare), VPMADDUBSW against xq;
+// per 8 such 32s their sums in one register (block_sums) plus -sum(xq), times dx, times s.
+
+// 32 bits (LSB first) -> 32 bytes: 2 where the bit is set, 0 elsewhere
+static inline __m256i bits_to_twos(uint32_t bits) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(2));
+}
+
+static inline __m256i dot_q1_32(const uint8_t* w, const int8_t* xq, long k) {
+  uint32_t bits;
+  memcpy(&bits, w + k / 8, 4);
+  const __m256i p = _mm256_maddubs_epi16(bits_to_twos(bits),
+                                         _mm256_loadu_si256((const __m256i*)(xq + k)));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// xq [K], dx [K/32], nsum [K/32] = -sum(xq) per 32
+static float row_q1(const uint8_t* w, const void* s, int sk, long s0, const int8_t* xq,
+                    const float* dx, const int32_t* nsum, long K, long G) {
+  __m256 total = _mm256_setzero_ps();
+  long c = 0;  // 32-weight chunk
+  for (; c + 8 <= K / 32; c += 8) {
+    __m256i dots[8];
+    float sc[8];
+    for (int j = 0; j < 8; j++) {
+      dots[j] = dot_q1_32(w, xq, 32 * (c + j));
+      sc[j] = ds_scale(s, s0 + 32 * (c + j) / G, sk);
+    }
+    const __m256 per32 = _mm256_cvtepi32_ps(_mm256_add_epi32(
+        _mm256_cvtps_epi32(block_sums(dots)), _mm256_loadu_si256((const __m256i*)(nsum + c))));
+    total = _mm256_fmadd_ps(_mm256_mul_ps(per32, _mm256_loadu_ps(dx + c)), _mm256_loadu_ps(sc),
+                            total);
+  }
+  float tail = 0.f;
+  for (; c < K / 32; c++) {
+    const float dot = hsum8(_mm256_cvtepi32_ps(dot_q1_32(w, xq, 32 * c))) + (float)nsum[c];
+    tail += dot * dx[c] * ds_scale(s, s0 + 32 * c / G, sk);
+  }
+  return hsum8(total) + tail;
+}
+
+void ds_gemm_q1_avx2(const uint8_t* w, const void* s, const float* x, float* y, long M, long N,
+                     long K, long G, int num_threads, int scale_kind) {
+  int8_t* xq = malloc(M * K);
+  float* dx = malloc(sizeof(float) * M * (K / 32));
+  int32_t* nsum = malloc(sizeof(int32_t) * M * (K / 32));
+  if (xq == NULL || dx == NULL || nsum == NULL) abort();  // out of memory: stop, not write NULL
+  for (long m = 0; m < M; m++) {
+    quantize_x(x + m * K, xq + m * K, dx + m * (K / 32), K, 32);
+    for (long c = 0; c < K / 32; c++) {
+      int32_t sum = 0;
+      for (int i = 0; i < 32; i++) sum += xq[m * K + 32 * c + i];
+      nsum[m * (K / 32) + c] = -sum;
+    }
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long n = 0; n < N; n++)
+    for (long m = 0; m < M; m++)
+      y[m * N + n] = row_q1(w + n * (K / 8), s, scale_kind, n * (K / G), xq + m * K,
+                            dx + m * (K / 32), nsum + m * (K / 32), K, G);
+  free(xq), free(dx), free(nsum);
+}
+
+void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, long N, long K,
+                     long G, int num_threads, int scale_kind) {
+  if (G % 64 || K % G) {  // gemv_vnni.c's rule
+    ds_gemv_q1(w, s, x, y, N, K, G, num_threads, scale_kind);
+    return;
+  }
+  ds_gemm_q1_avx2(w, s, x, y, 1, N, K, G, num_threads, scale_kind);
 }
 #endif
