@@ -261,27 +261,30 @@ static inline __m256i dot_q1_32(const uint8_t* w, const int8_t* xq, long k) {
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-// xq [K], dx [K/32], nsum [K/32] = -sum(xq) per 32
+// xq [K], dx [K/32], nsum [K/32] = -sum(xq) per 32; group [K/32]: each 32's group in the row
+// (a table: a 64-bit division per 32 weights cost more than all their arithmetic)
 static float row_q1(const uint8_t* w, const void* s, int sk, long s0, const int8_t* xq,
-                    const float* dx, const int32_t* nsum, long K, long G) {
+                    const float* dx, const int32_t* nsum, const int32_t* group, long K) {
   __m256 total = _mm256_setzero_ps();
   long c = 0;  // 32-weight chunk
   for (; c + 8 <= K / 32; c += 8) {
     __m256i dots[8];
-    float sc[8];
-    for (int j = 0; j < 8; j++) {
-      dots[j] = dot_q1_32(w, xq, 32 * (c + j));
-      sc[j] = ds_scale(s, s0 + 32 * (c + j) / G, sk);
-    }
-    const __m256 per32 = _mm256_cvtepi32_ps(_mm256_add_epi32(
-        _mm256_cvtps_epi32(block_sums(dots)), _mm256_loadu_si256((const __m256i*)(nsum + c))));
-    total = _mm256_fmadd_ps(_mm256_mul_ps(per32, _mm256_loadu_ps(dx + c)), _mm256_loadu_ps(sc),
-                            total);
+    for (int j = 0; j < 8; j++) dots[j] = dot_q1_32(w, xq, 32 * (c + j));
+    const int32_t* gi = group + c;
+#define Q1_SCALE(j) ds_scale(s, s0 + gi[j], sk)
+    const __m256 sc = gi[0] == gi[7] ? _mm256_set1_ps(Q1_SCALE(0))
+                                     : _mm256_setr_ps(Q1_SCALE(0), Q1_SCALE(1), Q1_SCALE(2),
+                                                      Q1_SCALE(3), Q1_SCALE(4), Q1_SCALE(5),
+                                                      Q1_SCALE(6), Q1_SCALE(7));
+#undef Q1_SCALE
+    const __m256 per32 = _mm256_add_ps(  // exact: integers below 2^24
+        block_sums(dots), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(nsum + c))));
+    total = _mm256_fmadd_ps(_mm256_mul_ps(per32, _mm256_loadu_ps(dx + c)), sc, total);
   }
   float tail = 0.f;
   for (; c < K / 32; c++) {
     const float dot = hsum8(_mm256_cvtepi32_ps(dot_q1_32(w, xq, 32 * c))) + (float)nsum[c];
-    tail += dot * dx[c] * ds_scale(s, s0 + 32 * c / G, sk);
+    tail += dot * dx[c] * ds_scale(s, s0 + group[c], sk);
   }
   return hsum8(total) + tail;
 }
@@ -291,7 +294,9 @@ void ds_gemm_q1_avx2(const uint8_t* w, const void* s, const float* x, float* y, 
   int8_t* xq = malloc(M * K);
   float* dx = malloc(sizeof(float) * M * (K / 32));
   int32_t* nsum = malloc(sizeof(int32_t) * M * (K / 32));
-  if (xq == NULL || dx == NULL || nsum == NULL) abort();  // out of memory: stop, not write NULL
+  int32_t* group = malloc(sizeof(int32_t) * (K / 32));
+  if (xq == NULL || dx == NULL || nsum == NULL || group == NULL) abort();  // out of memory
+  for (long c = 0; c < K / 32; c++) group[c] = (int32_t)(32 * c / G);
   for (long m = 0; m < M; m++) {
     quantize_x(x + m * K, xq + m * K, dx + m * (K / 32), K, 32);
     for (long c = 0; c < K / 32; c++) {
@@ -304,8 +309,8 @@ void ds_gemm_q1_avx2(const uint8_t* w, const void* s, const float* x, float* y, 
   for (long n = 0; n < N; n++)
     for (long m = 0; m < M; m++)
       y[m * N + n] = row_q1(w + n * (K / 8), s, scale_kind, n * (K / G), xq + m * K,
-                            dx + m * (K / 32), nsum + m * (K / 32), K, G);
-  free(xq), free(dx), free(nsum);
+                            dx + m * (K / 32), nsum + m * (K / 32), group, K);
+  free(xq), free(dx), free(nsum), free(group);
 }
 
 void ds_gemv_q1_vnni(const uint8_t* w, const void* s, const float* x, float* y, long N, long K,
