@@ -50,8 +50,8 @@ def test_the_build_reports_its_vector_lanes(lib, request) -> None:
     multi-row kernels are not preferred."""
     arch = request.node.callspec.params["lib"]
     assert lib.ds_simd_lanes() == (16 if arch == "haswell" else 0)
-    assert isa_paths(lib) == (("avx2", "f16c", "avx2-int8", "avx2-int4", "avx2-q1", "int8-blocks") if arch == "haswell"
-                              else ("scalar",))
+    avx2 = ("avx2", "f16c", "avx2-int8", "avx2-int4", "avx2-q1", "int8-blocks")
+    assert isa_paths(lib) == (avx2 if arch == "haswell" else ("scalar",))
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (13, 100)])
