@@ -73,36 +73,38 @@ def quantize_checkpoint(model_dir: Path, fmt: str, out_dir: Path, search: bool =
     num_quantized, kept_float, targets_quantized, by_gptq = 0, [], set(), set()
     factors: dict[int, torch.Tensor] = {}  # id(covariance) -> its inverse factor, shared by parts
     shown = bar(_num_weights(files), f"quantizing to {fmt}", "weights", unit_scale=True)
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                shown.set_postfix_str(key, refresh=False)
-                t = handle.get_tensor(key)
-                ours = lm_name(key)
-                module = ours.removesuffix(".weight") if ours and ours.endswith(".weight") else None
-                if module in targets and t.dim() == 2:
-                    if t.shape[1] % scheme.group_size:
-                        kept_float.append(key)
-                    else:
-                        base = key.removesuffix(".weight")
-                        stat = (importance or {}).get(module)
-                        if stat is not None and stat.dim() == 2:
-                            packed = _gptq(t, scheme, module, stat, factors, shown.update)
-                            by_gptq.add(module)
+    try:  # a failure (a NaN weight, an interrupt) must not leave the bar drawn
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    shown.set_postfix_str(key, refresh=False)
+                    t = handle.get_tensor(key)
+                    ours = lm_name(key)
+                    module = ours.removesuffix(".weight") if ours and ours.endswith(".weight") else None
+                    if module in targets and t.dim() == 2:
+                        if t.shape[1] % scheme.group_size:
+                            kept_float.append(key)
                         else:
-                            packed = quantize(t, scheme, SCALE_DTYPE, search, stat,
-                                              progress=shown.update)
-                        for leaf, v in packed.items():
-                            tensors[f"{base}.{leaf}"] = v.contiguous()
-                        num_quantized += 1
-                        targets_quantized.add(module)
-                        continue
-                tensors[key] = t.contiguous()
-                shown.update(t.numel())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shown.set_postfix_str("saving model.safetensors")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    shown.close()
+                            base = key.removesuffix(".weight")
+                            stat = (importance or {}).get(module)
+                            if stat is not None and stat.dim() == 2:
+                                packed = _gptq(t, scheme, module, stat, factors, shown.update)
+                                by_gptq.add(module)
+                            else:
+                                packed = quantize(t, scheme, SCALE_DTYPE, search, stat,
+                                                  progress=shown.update)
+                            for leaf, v in packed.items():
+                                tensors[f"{base}.{leaf}"] = v.contiguous()
+                            num_quantized += 1
+                            targets_quantized.add(module)
+                            continue
+                    tensors[key] = t.contiguous()
+                    shown.update(t.numel())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shown.set_postfix_str("saving model.safetensors")
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    finally:
+        shown.close()
     raw["quantization"] = _block(fmt, scheme)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     for f in model_dir.iterdir():
