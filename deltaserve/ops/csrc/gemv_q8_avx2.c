@@ -80,7 +80,20 @@ static inline __m256i group_dot_q8(const int8_t* w, const int8_t* xq, long g, lo
   return acc;
 }
 
-static inline __m256 scales8(const void* s, long at, int sk);
+// eight scales (or biases) of kind sk from index at, as fp32
+static inline __m256 scales8(const void* s, long at, int sk) {
+#if defined(__F16C__)
+  if (sk == DS_SCALE_F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at)));
+#endif
+  if (sk == DS_SCALE_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at))), 16));
+  if (sk == DS_SCALE_F32) return _mm256_loadu_ps((const float*)s + at);
+  float v[8];
+  for (int i = 0; i < 8; i++) v[i] = ds_scale(s, at + i, sk);
+  return _mm256_loadu_ps(v);
+}
 
 // one weight row (scales from index s0 on) against one quantized activation row: per 8 groups
 // their dots in one register (block_sums) times s * dx by one FMA; the rest one at a time
@@ -152,21 +165,6 @@ static void quantize_x_a4(const float* x, int8_t* xq, XqA4 q, long K, long G) {
     for (long k = g * G; k < (g + 1) * G; k++) sum += xq[k];
     q.xs[g] = q.dx[g] * (float)sum;
   }
-}
-
-// eight scales (or biases) of kind sk from index at, as fp32
-static inline __m256 scales8(const void* s, long at, int sk) {
-#if defined(__F16C__)
-  if (sk == DS_SCALE_F16)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at)));
-#endif
-  if (sk == DS_SCALE_BF16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + at))), 16));
-  if (sk == DS_SCALE_F32) return _mm256_loadu_ps((const float*)s + at);
-  float v[8];
-  for (int i = 0; i < 8; i++) v[i] = ds_scale(s, at + i, sk);
-  return _mm256_loadu_ps(v);
 }
 
 // group g's integer dot of its codes with xq, in 8 int32 lanes
