@@ -185,14 +185,17 @@ def ours_on_gpu(model_dir: Path, lens: list[int], decode_tokens: int, device: st
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.vocab_size
     scan = GDN_PREFILL.choose(case_at(8192, torch.bfloat16, llm.model.device, llm.config))
-    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model), "prefill_scan": scan.name}
+    out: dict = {"bytes_per_token": decode_bytes_per_token(llm.model), "prefill_scan": scan.name,
+                 "weights_gb": sum(t.numel() * t.element_size() for t in
+                                   (*llm.model.parameters(), *llm.model.buffers())) / 1e9,
+                 "gpu_mem_after_load_gb": torch.cuda.memory_allocated() / 1e9}
     out.update(prefill_tiers(llm, lens, gen))
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
     llm.generate([prompt], params)  # captures the batch-1 graphs
     out["decode_tok_s"] = llm.generate([prompt], params)[0].metrics["decode_tok_s"]
     out["decode_attribution"] = decode_attribution(llm)
-    out["gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    out["gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9  # peak: caches, prefill scratch
     del llm
     torch.cuda.empty_cache()
     greedy = LLM(model_dir, dtype="bfloat16", device=device, prefix_cache_bytes=0, max_num_seqs=4,

@@ -76,8 +76,8 @@ class Linear(nn.Module):
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether this layer's GEMV for input row(s) x computes a prologue itself: one CUDA row on
-        a Triton GEMV (dense: a tuned shape; packed: every layout ops/triton_qgemv reads), as the
-        op's dispatch chose (DELTASERVE_GEMV_PROLOGUE=0: never)."""
+        a Triton GEMV (dense: a tuned shape; packed: the layouts ops/triton_qgemv and
+        ops/triton_q1 read), as the op's dispatch chose (DELTASERVE_GEMV_PROLOGUE=0: never)."""
         if not x.is_cuda or x.numel() != x.shape[-1] or not env().gemv_prologue or \
                 self.segments is not None or self.input_order is not None:
             return False
@@ -85,7 +85,7 @@ class Linear(nn.Module):
             return LINEAR.choose(linear_case(x, self.weight)).name == "triton_gemv"
         from deltaserve.quant.linear import QUANT_LINEAR, quant_case
 
-        return QUANT_LINEAR.choose(quant_case(x, self)).name == "triton_qgemv"
+        return QUANT_LINEAR.choose(quant_case(x, self)).name in ("triton_qgemv", "triton_q1_a8")
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.out_sizes, dim=-1)

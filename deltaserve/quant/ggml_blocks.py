@@ -39,8 +39,9 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _shifts(x: torch.Tensor, shifts, dim: int) -> torch.Tensor:
-    """x (uint8 or int32) with a new axis at `dim` holding x >> s for each s."""
-    s = torch.tensor(shifts, dtype=x.dtype, device=x.device)
+    """x (uint8 or int32) with a new axis at `dim` holding x >> s for each s (shifts: a range,
+    built on x's device by arange: a host tensor's copy cannot be captured in a CUDA graph)."""
+    s = torch.arange(shifts.start, shifts.stop, shifts.step, dtype=x.dtype, device=x.device)
     shape = [1] * (x.dim() + 1)
     shape[dim] = len(shifts)
     return x.unsqueeze(dim) >> s.reshape(shape)
@@ -58,7 +59,7 @@ def _nibbles32(qs: torch.Tensor, chunks: int) -> torch.Tensor:
     """[n, chunks * 32] bytes -> [n, 2 * chunks, 32] 4-bit codes: per 32 bytes, low nibbles then
     high nibbles (the K-quants' order)."""
     n = qs.shape[0]
-    return (_shifts(qs.reshape(n, chunks, 32), (0, 4), 2) & 15).reshape(n, 2 * chunks, 32)
+    return (_shifts(qs.reshape(n, chunks, 32), range(0, 8, 4), 2) & 15).reshape(n, 2 * chunks, 32)
 
 
 def _q2_k(b):
@@ -66,18 +67,18 @@ def _q2_k(b):
     sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b, 80), _f16(b, 82)
     dl = (d * (sc & 15).float()).unsqueeze(-1)
     ml = (dmin * (sc >> 4).float()).unsqueeze(-1)
-    q = (_shifts(qs.reshape(n, 2, 32), (0, 2, 4, 6), 2) & 3).reshape(n, 16, 16).float()
+    q = (_shifts(qs.reshape(n, 2, 32), range(0, 8, 2), 2) & 3).reshape(n, 16, 16).float()
     return dl * q - ml
 
 
 def _q3_k(b):
     n = b.shape[0]
     hmask, qs, s, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b, 108)
-    low = (_shifts(s[:, :8], (0, 4), 1) & 15).reshape(n, 16)
-    high = (_shifts(s[:, 8:12], (0, 2, 4, 6), 1) & 3).reshape(n, 16)
+    low = (_shifts(s[:, :8], range(0, 8, 4), 1) & 15).reshape(n, 16)
+    high = (_shifts(s[:, 8:12], range(0, 8, 2), 1) & 3).reshape(n, 16)
     sc = ((low | (high << 4)).to(torch.int32) - 32).float()
-    ql = (_shifts(qs.reshape(n, 2, 32), (0, 2, 4, 6), 2) & 3).reshape(n, 16, 16)
-    qh = (_shifts(hmask.reshape(n, 1, 32), tuple(range(8)), 2) & 1).reshape(n, 16, 16)
+    ql = (_shifts(qs.reshape(n, 2, 32), range(0, 8, 2), 2) & 3).reshape(n, 16, 16)
+    qh = (_shifts(hmask.reshape(n, 1, 32), range(8), 2) & 1).reshape(n, 16, 16)
     q = ql.to(torch.int32) - ((qh ^ 1).to(torch.int32) << 2)
     return (d * sc).unsqueeze(-1) * q.float()
 
@@ -94,37 +95,47 @@ def _q5_k(b):
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
     ql = _nibbles32(b[:, 48:176], 4)
-    qh = (_shifts(b[:, 16:48].reshape(n, 1, 32), tuple(range(8)), 2) & 1).reshape(n, 8, 32)
+    qh = (_shifts(b[:, 16:48].reshape(n, 1, 32), range(8), 2) & 1).reshape(n, 8, 32)
     q = (ql | (qh << 4)).float()
     return (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
 
 
 def _q6_k(b):
     n = b.shape[0]
-    ql = (_shifts(b[:, :128].reshape(n, 2, 64), (0, 4), 2) & 15).reshape(n, 8, 32)
-    qh = (_shifts(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 2) & 3).reshape(n, 8, 32)
+    ql = (_shifts(b[:, :128].reshape(n, 2, 64), range(0, 8, 4), 2) & 15).reshape(n, 8, 32)
+    qh = (_shifts(b[:, 128:192].reshape(n, 2, 32), range(0, 8, 2), 2) & 3).reshape(n, 8, 32)
     sc = b[:, 192:208].contiguous().view(torch.int8).float()
     q = ((ql | (qh << 4)).to(torch.int32) - 32).reshape(n, 16, 16).float()
     return (_f16(b, 208) * sc).unsqueeze(-1) * q
 
 
+_PINNED: list[torch.Tensor] = []  # IQ4_VALUES in pinned host memory, made on first CUDA use
+
+
 def _codebook(idx: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=idx.device)[idx.long()]
+    """IQ4 codebook values of idx. On CUDA the table is copied from pinned memory: a CUDA graph
+    may capture that copy (an embedding row decoded inside a decode step), not one from pageable
+    memory."""
+    if idx.device.type != "cuda":
+        return torch.tensor(IQ4_VALUES, dtype=torch.float32)[idx.long()]
+    if not _PINNED:
+        _PINNED.append(torch.tensor(IQ4_VALUES, dtype=torch.float32).pin_memory())
+    return _PINNED[0].to(idx.device, non_blocking=True)[idx.long()]
 
 
 def _iq4_xs(b):
     n = b.shape[0]
     d = _f16(b, 0)
     high_bits = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)
-    low = (_shifts(b[:, 4:8], (0, 4), 2) & 15).reshape(n, 8).to(torch.int32)
-    high = _shifts(high_bits, tuple(range(0, 16, 2)), 1) & 3
+    low = (_shifts(b[:, 4:8], range(0, 8, 4), 2) & 15).reshape(n, 8).to(torch.int32)
+    high = _shifts(high_bits, range(0, 16, 2), 1) & 3
     sc = ((low | (high << 4)) - 32).float()
-    q = (_shifts(b[:, 8:136].reshape(n, 8, 16), (0, 4), 2) & 15).reshape(n, 8, 32)
+    q = (_shifts(b[:, 8:136].reshape(n, 8, 16), range(0, 8, 4), 2) & 15).reshape(n, 8, 32)
     return (d * sc).unsqueeze(-1) * _codebook(q)
 
 
 def _iq4_nl(b):
-    q = (_shifts(b[:, 2:18], (0, 4), 1) & 15).reshape(b.shape[0], 32)
+    q = (_shifts(b[:, 2:18], range(0, 8, 4), 1) & 15).reshape(b.shape[0], 32)
     return _f16(b, 0) * _codebook(q)
 
 
@@ -134,8 +145,8 @@ def _five_bit(b, at: int) -> torch.Tensor:
     n = b.shape[0]
     qh = b[:, at:at + 4].to(torch.int32)
     qh = qh[:, 0] | (qh[:, 1] << 8) | (qh[:, 2] << 16) | (qh[:, 3] << 24)
-    high = _shifts(qh, tuple(range(32)), 1) & 1
-    low = (_shifts(b[:, at + 4:at + 20], (0, 4), 1) & 15).reshape(n, 32).to(torch.int32)
+    high = _shifts(qh, range(32), 1) & 1
+    low = (_shifts(b[:, at + 4:at + 20], range(0, 8, 4), 1) & 15).reshape(n, 32).to(torch.int32)
     return low | (high << 4)
 
 

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.env import env
 from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
-from deltaserve.ops import dispatch, triton_blocks, triton_qgemm, triton_qgemv
+from deltaserve.ops import dispatch, triton_blocks, triton_q1, triton_qgemm, triton_qgemv
 from deltaserve.ops.dispatch import REFERENCE, Case, Op, case, rows_of
 from deltaserve.ops.qgemv import dequantize_into, qgemm_max_rows, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
@@ -220,6 +221,26 @@ def _per_row(gemv, flat: torch.Tensor, p: dict, scheme) -> torch.Tensor:
     if flat.shape[0] == 1:
         return gemv(flat, p, scheme)
     return torch.cat([gemv(flat[r : r + 1], p, scheme) for r in range(flat.shape[0])])
+
+
+def _q1_a8_why_not(c: Case) -> str | None:
+    """q1 rows on CUDA take int8 activations (ops/triton_q1: the CPU's and llama.cpp's Q1_0 math)
+    unless DELTASERVE_EXACT_INT8_ACT=1 keeps fp32 x on the exact GEMV."""
+    if c.shape[0].kind != "q1":
+        return "not a q1 weight"
+    if env().exact_int8_activations:
+        return "DELTASERVE_EXACT_INT8_ACT=1: fp32 activations (the exact GEMV)"
+    return _triton_why_not(c, c.shape[3], f"not up to {WIDEN_MIN_ROWS - 1} CUDA rows", triton_q1)
+
+
+@QUANT_LINEAR.register("triton_q1_a8", 37, _q1_a8_why_not)
+def _quant_triton_q1_a8(x, module, prologue):
+    flat, p = x.reshape(-1, x.shape[-1]), packed(module)
+    if prologue is not None:
+        out = triton_q1.q1_gemv_a8_cuda(flat, p, module.scheme, prologue=prologue)
+    else:
+        out = _per_row(triton_q1.q1_gemv_a8_cuda, flat, p, module.scheme)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _blocks_why_not(c: Case) -> str | None:
