@@ -135,8 +135,8 @@ def run_gate(args: argparse.Namespace) -> int:
     dirs = {k: default_model_dir() if v is None else resolve_model_dir(v)
             for k, v in (("a", args.model), ("b", args.against))}
     engine_args = EngineArgs.from_cli_args(args)
-    a = LLM.from_engine_args(replace(engine_args, model=dirs["a"]))
-    b = LLM.from_engine_args(replace(engine_args, model=dirs["b"],
+    a = LLM.from_engine_args(replace(engine_args, model=dirs["a"], mmproj=None))
+    b = LLM.from_engine_args(replace(engine_args, model=dirs["b"], mmproj=None,
                                      dtype=args.against_dtype or args.dtype))
     rows = []
     with bar(len(prompts), "gate", "prompt") as shown:

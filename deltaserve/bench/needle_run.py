@@ -43,7 +43,8 @@ def run_needle(args: argparse.Namespace) -> int:
     filler = needle.heldout_filler(
         manifest if manifest.exists() else default_model_dir() / "manifest.json"
     )
-    llm = LLM.from_engine_args(replace(EngineArgs.from_cli_args(args), model=model_dir))
+    llm = LLM.from_engine_args(replace(EngineArgs.from_cli_args(args), model=model_dir,
+                                       mmproj=None))
     params = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS, ignore_eos=True)
     cells, t0 = [], time.perf_counter()
     shown = bar(len(lengths) * len(depths) * args.keys, "needle", "probe")

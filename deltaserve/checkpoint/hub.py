@@ -12,18 +12,35 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
 
 
-def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
+def resolve_model_dir(model: str | Path, revision: str | None = None,
+                      mmproj: str | Path | None = None) -> Path:
     """A folder is used as is; a .gguf file (or the first part of a split set) is imported once into
-    the cache folder; `org/name` that is not a folder is fetched (or found in the HF cache)."""
+    the cache folder, with MiniCPM-V's vision file `mmproj` (None: the one `mmproj*.gguf` beside
+    the model file, if any; "none": text only); `org/name` that is not a folder is fetched (or
+    found in the HF cache)."""
     path = Path(model).expanduser()
+    if mmproj is not None and str(mmproj) != "none" and not (
+            path.is_file() and path.suffix.lower() == ".gguf"):
+        raise CheckpointError("--mmproj goes with a .gguf model file (a checkpoint folder holds "
+                              "its vision tower itself)")
     if path.is_dir():
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         from deltaserve.quant.cached import gguf_copy
         from deltaserve.quant.gguf_import import split_parts
+        from deltaserve.quant.gguf_mmproj import find_mmproj
 
-        return gguf_copy(split_parts(path), log=lambda msg: print(f"deltaserve: {msg}",
-                                                                  file=sys.stderr, flush=True))
+        parts = split_parts(path)
+        if mmproj is None:
+            vision = find_mmproj(parts[0])
+        elif str(mmproj) == "none":
+            vision = None
+        else:
+            vision = Path(mmproj).expanduser()
+            if not vision.is_file():
+                raise CheckpointError(f"mmproj file '{mmproj}' does not exist")
+        return gguf_copy(parts, log=lambda msg: print(f"deltaserve: {msg}", file=sys.stderr,
+                                                      flush=True), mmproj=vision)
     if path.exists():
         raise CheckpointError(
             f"model '{model}' is a file; pass a checkpoint folder or a .gguf file"

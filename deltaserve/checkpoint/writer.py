@@ -63,6 +63,11 @@ def _split(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
     return shards
 
 
+MINICPM_PREPROCESSOR = {"image_processor_type": "MiniCPMV4_6ImageProcessor", "max_slice_nums": 9,
+                        "scale_resolution": 448, "patch_size": 14, "use_image_id": True,
+                        "slice_mode": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+
+
 def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
     """Write `p` into out_dir; returns a summary (tensor count, bytes, files)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,8 @@ def write_checkpoint(p: Preset, out_dir: Path, seed: int) -> dict:
     if p.generation_config:
         _write_json(out_dir / "generation_config.json", p.generation_config)
     write_tokenizer(out_dir, p.config["model_type"] == "minicpmv4_6")
+    if p.config["model_type"] == "minicpmv4_6":  # the published repo's (formats.md; converters read it)
+        _write_json(out_dir / "preprocessor_config.json", MINICPM_PREPROCESSOR)
     return {"preset": p.name, "num_tensors": len(specs), "num_bytes": total, "files": names}
 
 

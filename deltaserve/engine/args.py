@@ -42,6 +42,7 @@ class EngineArgs:
 
     model: str | Path | None = None  # checkpoint folder or hub id; None = the embedded default
     revision: str | None = None  # hub revision (branch, tag or commit) of a hub id
+    mmproj: str | None = None  # MiniCPM-V's vision GGUF (None: one beside a .gguf; "none": off)
     dtype: str = "auto"  # weight dtype, one of DTYPES; auto = the checkpoint's
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
     max_model_len: int | None = None  # context limit in tokens; None = the model's own
@@ -120,7 +121,7 @@ class EngineArgs:
         from deltaserve.spec.config import from_cli
 
         kwargs: dict[str, Any] = {}
-        for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
+        for name in ("model", "mmproj", "dtype", "device", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "prefix_snapshots", "kv_cache_dtype",
                      "gpu_memory_utilization", "generation_config"):
             if hasattr(args, name):
@@ -178,6 +179,11 @@ def _model_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
     p.add_argument("--model", "-m", default=_DEFAULTS.model,
                    help="checkpoint folder, .gguf file or hub id (default: the embedded default "
                    "model)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="MiniCPM-V-4.6's vision GGUF for a .gguf model (default: the one "
+                   "mmproj*.gguf beside the model file, if any), as llama-server")
+    p.add_argument("--no-mmproj", dest="mmproj", action="store_const", const="none",
+                   help="text only: no vision file, even one beside the model")
     p.add_argument("--dtype", type=dtype_arg, default=dtype_default, metavar="DTYPE",
                    help=f"weight dtype: {', '.join(DTYPES)} or half / bf16 / float (default "
                    f"{dtype_default}; auto: the checkpoint's)")

@@ -51,7 +51,7 @@ class LLM:
         if threads > 0:
             torch.set_num_threads(threads)
         self.model_dir = (default_model_dir() if args.model is None
-                          else resolve_model_dir(args.model, args.revision))
+                          else resolve_model_dir(args.model, args.revision, args.mmproj))
         self.is_default_model = args.model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()

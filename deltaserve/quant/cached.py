@@ -74,13 +74,14 @@ def _once(out: Path, build) -> bool:
 GGUF_IMPORTER_VERSION = 4  # a changed importer gets a fresh copy
 
 
-def gguf_copy(parts: list[Path], log=print) -> Path:
-    """The checkpoint folder for a GGUF file (or the parts of a split set), written once into the
-    cache atomically (a crashed import leaves only a .partial folder, redone next time)."""
+def gguf_copy(parts: list[Path], log=print, mmproj: Path | None = None) -> Path:
+    """The checkpoint folder for a GGUF file (or the parts of a split set; with MiniCPM-V's mmproj
+    file: quant/gguf_mmproj), written once into the cache atomically (a crashed import leaves only
+    a .partial folder, redone next time)."""
     from deltaserve.quant.gguf_import import import_gguf
 
     h = hashlib.sha256(f"gguf|{GGUF_IMPORTER_VERSION}".encode())
-    for f in parts:
+    for f in parts + ([mmproj] if mmproj is not None else []):
         st = f.stat()
         h.update(f"|{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     root = env().cache_dir / "gguf"
@@ -92,7 +93,9 @@ def gguf_copy(parts: list[Path], log=print) -> Path:
     def build(tmp: Path) -> None:
         log(f"importing {parts[0]}{f' (+{len(parts) - 1} parts)' if len(parts) > 1 else ''} "
             f"({size / 2**30:.2f} GiB) once, into {out}")
-        report.update(import_gguf(parts[0], tmp))
+        if mmproj is not None:
+            log(f"vision tower and projector from {mmproj}")
+        report.update(import_gguf(parts[0], tmp, mmproj=mmproj))
 
     if not _once(out, build):
         return out

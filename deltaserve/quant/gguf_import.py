@@ -122,10 +122,11 @@ def stored_plus_one(name: str) -> bool:
 
 
 def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
-                dequantize: bool = False) -> dict:
+                dequantize: bool = False, mmproj: Path | None = None) -> dict:
     """The checkpoint folder of a GGUF file (or split set); dequantize: every tensor as fp32
     through the gguf package's dequantizer (a float checkpoint transformers can load: the
-    reference the quantized import is checked against)."""
+    reference the quantized import is checked against). mmproj: MiniCPM-V-4.6's vision file
+    (quant/gguf_mmproj): the folder is then that model's, the text under model.language_model."""
     try:
         import gguf  # noqa: F401 (the tensor types and dequantizers are its)
     except ImportError as exc:
@@ -156,9 +157,12 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
     tensors, schemes = _tensors(readers, config, dequantize)
     config["quantization"] = _block(schemes)
     config["dtype"] = _dtype(readers, config, dequantize)
+    if mmproj is not None:
+        from deltaserve.quant.gguf_mmproj import with_vision
+
+        config, tensors = with_vision(config, tensors, mmproj)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if embedded is not None:
         _write_tokenizer(embedded, out_dir)
     else:
@@ -166,6 +170,11 @@ def import_gguf(path: Path, out_dir: Path, tokenizer_dir: Path | None = None,
                      "generation_config.json"):
             if (tok_src / name).is_file():
                 shutil.copy(tok_src / name, out_dir / name)
+    if mmproj is not None:
+        from deltaserve.quant.gguf_mmproj import image_token
+
+        config["image_token_id"] = image_token(out_dir, mmproj)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     types = Counter(t.tensor_type.name for r in readers for t in r.tensors)
     return {"tensors": len(tensors), "quantized": len(schemes), "out": str(out_dir),
             "tokenizer": "embedded" if embedded is not None else str(tok_src),

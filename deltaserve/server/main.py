@@ -153,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
     template = chat_template_arg(args.chat_template)
     _server_log(getattr(args, "log_level", "info"), not getattr(args, "disable_log_requests",
                                                                   False))
-    model_dir = default_model_dir() if args.model is None else resolve_model_dir(args.model)
+    model_dir = default_model_dir() if args.model is None else \
+        resolve_model_dir(args.model, mmproj=getattr(args, "mmproj", None))
     read_config(model_dir)  # a missing or broken config.json fails here, before the port opens
     idle_s = None if not args.idle_unload_min else 60.0 * args.idle_unload_min
     names = getattr(args, "served_model_names", None) or [model_dir.name]
@@ -164,7 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def build(path):
         from deltaserve.engine.llm import LLM
 
-        return LLM.from_engine_args(replace(engine_args, model=path))
+        return LLM.from_engine_args(replace(engine_args, model=path, mmproj=None))  # resolved
 
     if mirror is not None and not mirror.is_first:
         from deltaserve.distributed.serve import follow

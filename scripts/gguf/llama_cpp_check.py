@@ -26,10 +26,10 @@ VARIANTS = {"hv2x_tied": dict(linear_num_value_heads=4),
             "hv3x_untied": dict(linear_num_value_heads=6, tie_word_embeddings=False)}
 
 
-def convert(llama_cpp: Path, src: Path, outtype: str, out: Path) -> None:
+def convert(llama_cpp: Path, src: Path, outtype: str, out: Path, *flags: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     run = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src),
-                          "--outtype", outtype, "--outfile", str(out)], env=env,
+                          "--outtype", outtype, "--outfile", str(out), *flags], env=env,
                          capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"convert_hf_to_gguf.py failed:\n{run.stderr[-2000:]}")
@@ -117,7 +117,35 @@ def main() -> None:
                         k in ours and torch.equal(ours[k], theirs[k]) for k in mtp)
                 record["cases"][f"{name}-{outtype}"] = case
                 print(name, outtype, json.dumps(case), flush=True)
+        record["cases"]["minicpm-v-tiny-f32+mmproj"] = minicpm_case(args.llama_cpp, tmp)
+        print("minicpm-v", json.dumps(record["cases"]["minicpm-v-tiny-f32+mmproj"]), flush=True)
     args.out.write_text(json.dumps(record, indent=1))
+
+
+def minicpm_case(llama_cpp: Path, tmp: Path) -> dict:
+    """MiniCPM-V-4.6 at test size converted as llama.cpp publishes it (the text GGUF and, with
+    --mmproj, the vision GGUF), side by side, loaded by --model text.gguf: an image question's
+    greedy tokens and first logits against the checkpoint folder."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.checkpoint.presets import preset
+    from deltaserve.checkpoint.writer import write_checkpoint
+    from tests.multimodal.test_engine_images import chat, our_first_logits, picture, rel_l2
+
+    src, pair = tmp / "minicpm", tmp / "minicpm-gguf"
+    write_checkpoint(preset("minicpm-v-tiny"), src, 0)
+    pair.mkdir()
+    convert(llama_cpp, src, "f32", pair / "MiniCPM-V-tiny-F32.gguf")
+    convert(llama_cpp, src, "f32", pair / "mmproj-MiniCPM-V-tiny-F32.gguf", "--mmproj")
+    folder = LLM(src, dtype="float32")
+    paired = LLM(pair / "MiniCPM-V-tiny-F32.gguf", dtype="float32")
+    prompt = chat(paired, [{"type": "image", "image": picture(700, 900, seed=4)},
+                           {"type": "text", "text": "What is in the picture?"}])
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return {"vision_loaded": paired.images is not None,
+            "greedy_equal": paired.generate(prompt, greedy)[0].outputs[0].token_ids
+            == folder.generate(prompt, greedy)[0].outputs[0].token_ids,
+            "first_logits_rel": rel_l2(our_first_logits(paired, prompt),
+                                       our_first_logits(folder, prompt))}
 
 
 if __name__ == "__main__":
