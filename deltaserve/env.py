@@ -44,7 +44,8 @@ class Env:
     # back (engine/overlap.py); default (unset): on for CUDA devices, off on CPU
     overlap: bool | None
     gpu_backend: str  # DELTASERVE_GPU_BACKEND=auto|triton|portable (ops/backend.py)
-    # DELTASERVE_EXACT_INT8_ACT=1: int8 and int4 decode GEMVs keep fp32 activations (no VNNI)
+    # DELTASERVE_EXACT_INT8_ACT=1: quantized decode GEMVs keep fp32 activations (CPU: no VNNI / AVX2
+    # integer path; CUDA: q1 on the exact GEMV, not ops/triton_q1)
     exact_int8_activations: bool
     # DELTASERVE_CPU_GEMV_ROWS=1|4: weight rows per block of the int8-activation GEMVs (default
     # 0: measured once per CPU, ops/gemv_rows.py)
