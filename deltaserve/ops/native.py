@@ -172,8 +172,8 @@ _ISA_SYMBOLS = {"vnni-int8": "ds_gemv_q8_vnni", "vnni-int4": "ds_gemv_a4_vnni",
 
 
 def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
-    """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512"
-    or "avx2" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
+    """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512",
+    "avx2" or "neon" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
     hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs, the 1-bit one with the
     first; "avx2-int8" / "avx2-int4" / "avx2-q1": the same on AVX2's maddubs); "int8-blocks" (the GGUF
     block GEMMs on int8 activations: VNNI, or AVX2's maddubs); "amx-bf16" (the AMX GEMM,
@@ -186,8 +186,9 @@ def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
     if isa is None:  # a library built before ds_simd_isa: its vector path is not recorded
         vector, bits = "unknown", 0
     else:
-        bits = int(isa())  # csrc/gemv_quant.c: 1 AVX2 + FMA, 2 AVX-512, 4 F16C
-        vector = "avx512" if bits & 2 else "avx2" if bits & 1 else "scalar"
+        bits = int(isa())  # csrc/gemv_quant.c: 1 AVX2 + FMA, 2 AVX-512, 4 F16C, 8 NEON
+        vector = "avx512" if bits & 2 else "avx2" if bits & 1 else "neon" if bits & 8 else \
+            "scalar"
     paths = [name for name, symbol in _ISA_SYMBOLS.items() if hasattr(lib, symbol)]
     if hasattr(lib, "ds_int8_act_avx2"):  # the int8 GEMV's symbol is gemv_q8_avx2.c's
         paths[paths.index("vnni-int8")] = "avx2-int8"

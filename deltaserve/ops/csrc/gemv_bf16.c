@@ -55,7 +55,7 @@ static void block_simd(const uint16_t* w, const float* x, float* y, long n0, lon
   for (; k + 32 <= K; k += 32) {
     vf16 x0 = vf_load(x + k), x1 = vf_load(x + k + 16);
     for (int i = 0; i < ROWS; i++) {
-      _mm_prefetch((const char*)(r + (i + ROWS) * K + k), _MM_HINT_T0);
+      ds_prefetch(r + (i + ROWS) * K + k);
       acc[i] = vf_fma(vf_load_bf16(r + i * K + k), x0, acc[i]);
       acc[i] = vf_fma(vf_load_bf16(r + i * K + k + 16), x1, acc[i]);
     }
@@ -132,7 +132,7 @@ void ds_gemm_bf16(const uint16_t* w, const float* x, float* y, long M, long N, l
 #pragma omp for schedule(static)
   for (long b = 0; b < num_blocks; b++) {
 #if DS_SIMD16
-    if (b + 1 < num_blocks) _mm_prefetch((const char*)(w + (b + 1) * WR * K), _MM_HINT_T0);
+    if (b + 1 < num_blocks) ds_prefetch(w + (b + 1) * WR * K);
     for (long m0 = 0; m0 < M; m0 += XR)
       tile_simd(w, x, y, b * WR, m0, M - m0 < XR ? M - m0 : XR, N, K);
 #else

@@ -248,7 +248,7 @@ void ds_gemm_blocks(int type, const uint8_t* w, const float* x, float* y, long M
     vf16 acc[MAX_ROWS][2];
     for (long m = 0; m < M; m++) acc[m][0] = acc[m][1] = vf_zero();
     for (long j = 0; j < nb; j++) {
-      if (j + 1 < nb) _mm_prefetch((const char*)(wr + (j + 1) * bytes), _MM_HINT_T0);
+      if (j + 1 < nb) ds_prefetch(wr + (j + 1) * bytes);
       decode(type, wr + j * bytes, buf);
       for (long m = 0; m < M; m++) {
         const float* xr = x + m * K + j * qk;

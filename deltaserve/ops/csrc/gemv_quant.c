@@ -147,7 +147,7 @@ static void block_q8(const int8_t* w, const void* s, int sk, const float* x, flo
       vf16 xv = vf_load(x + k);
       for (int r = 0; r < Q8_ROWS; r++) {
         const int8_t* p = rows + r * K + k;
-        _mm_prefetch((const char*)(p + Q8_ROWS * K), _MM_HINT_T0);
+        ds_prefetch(p + Q8_ROWS * K);
         v[r] = vf_fma(vf_load_i8(p), xv, v[r]);
       }
     }
@@ -193,7 +193,7 @@ static void block_q8_rows(const int8_t* w, const void* s, int sk, const float* x
       const vf16 xa = vf_load(x0 + k), xb = vf_load(x1 + k);
       for (int r = 0; r < Q8_ROWS; r++) {
         const int8_t* p = rows + r * K + k;
-        _mm_prefetch((const char*)(p + Q8_ROWS * K), _MM_HINT_T0);
+        ds_prefetch(p + Q8_ROWS * K);
         const vf16 codes = vf_load_i8(p);
         v[0][r] = vf_fma(codes, xa, v[0][r]);
         v[1][r] = vf_fma(codes, xb, v[1][r]);
@@ -248,7 +248,7 @@ static void block_a4(const uint8_t* w, const void* s, const void* b, int sk, con
       vf16 e = vf_load(xe + i), o = vf_load(xo + i);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + i;
-        _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
+        ds_prefetch(p + Q8_ROWS * bytes);
         vf16 lo, hi;
         vf_load_u4(p, &lo, &hi);
         v[r] = vf_fma(lo, e, v[r]);
@@ -320,7 +320,7 @@ static void block_a4_rows(const uint8_t* w, const void* s, const void* b, int sk
       const vf16 eb = vf_load(e1 + i), ob = vf_load(o1 + i);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + i;
-        _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
+        ds_prefetch(p + Q8_ROWS * bytes);
         vf16 lo, hi;
         vf_load_u4(p, &lo, &hi);
         v[0][r] = vf_fma(hi, oa, vf_fma(lo, ea, v[0][r]));
@@ -395,7 +395,7 @@ static void block_q1(const uint8_t* w, const void* s, int sk, const float* x, co
       const vf16 xv = vf_load(x + k);
       for (int r = 0; r < Q8_ROWS; r++) {
         const uint8_t* p = rows + r * bytes + k / 8;
-        _mm_prefetch((const char*)(p + Q8_ROWS * bytes), _MM_HINT_T0);
+        ds_prefetch(p + Q8_ROWS * bytes);
         v[r] = vf_mask_add(v[r], (uint16_t)(p[0] | (p[1] << 8)), xv);
       }
     }

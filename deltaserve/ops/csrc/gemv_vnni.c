@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void block_vnni32(
       const __m512i lanes = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * c), 0xFF00, 2 * c + 1);
       for (int r = 0; r < R; r++) {
         const int8_t* p = rows + r * K + k;
-        _mm_prefetch((const char*)(p + R * K), _MM_HINT_T0);
+        ds_prefetch(p + R * K);
         const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
         total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, xv)),
                                    _mm512_permutexvar_ps(lanes, f[r]), total[r]);
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void block_vnni(
       const __m512i xv = _mm512_loadu_si512(xq + k);
       for (int r = 0; r < R; r++) {
         const int8_t* p = rows + r * K + k;
-        _mm_prefetch((const char*)(p + R * K), _MM_HINT_T0);
+        ds_prefetch(p + R * K);
         __m512i u = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
         acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
       }
@@ -273,7 +273,7 @@ static inline __attribute__((always_inline)) void block_q1_vnni(
       const __m512 fx = q->fx[k / 64];
       for (int r = 0; r < R; r++) {
         const uint8_t* p = rows + r * bytes + k / 8;
-        _mm_prefetch((const char*)(p + R * bytes), _MM_HINT_T0);
+        ds_prefetch(p + R * bytes);
         uint64_t bits;
         memcpy(&bits, p, 8);
         const __m512i u = _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), two);
@@ -391,7 +391,7 @@ static inline __attribute__((always_inline)) void block_a4_vnni(
       const __m512i xo = _mm512_maskz_loadu_epi8(m, q->xqo + i);
       for (int r = 0; r < R; r++) {
         const uint8_t* p = rows + r * bytes + i;
-        _mm_prefetch((const char*)(p + R * bytes), _MM_HINT_T0);
+        ds_prefetch(p + R * bytes);
         const __m512i v = _mm512_maskz_loadu_epi8(m, p);
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low), xe);
         acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), xo);

@@ -145,9 +145,128 @@ static inline vf16 vf_lut16(const float* table, vi16 index) {
   return (vf16){lut8x2(lo, hi, index.a), lut8x2(lo, hi, index.b)};
 }
 
+#elif defined(__ARM_NEON) && defined(__aarch64__) && !defined(DS_NO_NEON)
+// ARM (Apple silicon, Graviton, Ampere, Snapdragon laptops): four 128-bit NEON registers.
+// DS_NO_NEON (tests) builds the scalar loops on such a machine.
+#include <arm_neon.h>
+#define DS_SIMD16 1
+#define DS_SIMD_ISA 8
+typedef struct {
+  float32x4_t v[4];
+} vf16;
+typedef struct {
+  int32x4_t v[4];
+} vi16;
+#define DS_LANES4(expr) {{expr(0), expr(1), expr(2), expr(3)}}
+static inline vf16 vf_zero(void) {
+  const float32x4_t z = vdupq_n_f32(0.0f);
+  return (vf16){{z, z, z, z}};
+}
+static inline vf16 vf_load(const float* p) {
+#define L_(i) vld1q_f32(p + 4 * (i))
+  return (vf16)DS_LANES4(L_);
+#undef L_
+}
+static inline vf16 vf_set1(float s) {
+  const float32x4_t v = vdupq_n_f32(s);
+  return (vf16){{v, v, v, v}};
+}
+static inline vf16 vf_fma(vf16 x, vf16 y, vf16 c) {
+#define L_(i) vfmaq_f32(c.v[i], x.v[i], y.v[i])
+  return (vf16)DS_LANES4(L_);
+#undef L_
+}
+static inline float vf_sum(vf16 v) {  // a fixed order: (0 + 1) + (2 + 3), then across lanes
+  return vaddvq_f32(vaddq_f32(vaddq_f32(v.v[0], v.v[1]), vaddq_f32(v.v[2], v.v[3])));
+}
+static inline vf16 vf_load_bf16(const uint16_t* p) {  // a bf16 is the top half of its fp32
+  const uint16x8_t a = vld1q_u16(p), b = vld1q_u16(p + 8);
+  return (vf16){{vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16)),
+                 vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(a), 16)),
+                 vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16)),
+                 vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(b), 16))}};
+}
+static inline vi16 vi_from_u8x16(uint8x16_t b) {
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
+  return (vi16){{vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo))),
+                 vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(lo))),
+                 vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi))),
+                 vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(hi)))}};
+}
+static inline vf16 vf_load_i8(const int8_t* p) {
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+  return (vf16){{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                 vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+                 vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                 vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
+}
+static inline void vf_load_u4(const uint8_t* p, vf16* lo, vf16* hi) {
+  const uint8x16_t b = vld1q_u8(p);
+  const vi16 l = vi_from_u8x16(vandq_u8(b, vdupq_n_u8(0xF))), h = vi_from_u8x16(vshrq_n_u8(b, 4));
+#define L_(i) vcvtq_f32_s32(l.v[i])
+#define H_(i) vcvtq_f32_s32(h.v[i])
+  *lo = (vf16)DS_LANES4(L_);
+  *hi = (vf16)DS_LANES4(H_);
+#undef L_
+#undef H_
+}
+static inline float32x4_t mask_add4(float32x4_t v, int bits, float32x4_t x) {
+  static const uint32_t lanes[4] = {1, 2, 4, 8};
+  const uint32x4_t l = vld1q_u32(lanes);
+  const uint32x4_t on = vceqq_u32(vandq_u32(vdupq_n_u32((uint32_t)bits), l), l);
+  return vbslq_f32(on, vaddq_f32(v, x), v);
+}
+static inline vf16 vf_mask_add(vf16 v, uint16_t bits, vf16 x) {
+#define L_(i) mask_add4(v.v[i], (bits >> (4 * (i))) & 0xF, x.v[i])
+  return (vf16)DS_LANES4(L_);
+#undef L_
+}
+static inline void vf_store(float* p, vf16 v) {
+  for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]);
+}
+static inline vf16 vf_mul(vf16 x, vf16 y) {
+#define L_(i) vmulq_f32(x.v[i], y.v[i])
+  return (vf16)DS_LANES4(L_);
+#undef L_
+}
+static inline vi16 vi_load_u8(const uint8_t* p) { return vi_from_u8x16(vld1q_u8(p)); }
+static inline vi16 vi_bits(vi16 v, int shift, int mask) {  // (v >> shift) & mask
+  const int32x4_t m = vdupq_n_s32(mask), s = vdupq_n_s32(-shift);
+#define L_(i) vandq_s32(vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(v.v[i]), s)), m)
+  return (vi16)DS_LANES4(L_);
+#undef L_
+}
+static inline vi16 vi_or_shl(vi16 x, vi16 y, int shift) {  // x | (y << shift)
+  const int32x4_t s = vdupq_n_s32(shift);
+#define L_(i) vorrq_s32(x.v[i], vshlq_s32(y.v[i], s))
+  return (vi16)DS_LANES4(L_);
+#undef L_
+}
+static inline vf16 vf_from_vi(vi16 v, int minus) {  // (float)(v - minus)
+  const int32x4_t m = vdupq_n_s32(minus);
+#define L_(i) vcvtq_f32_s32(vsubq_s32(v.v[i], m))
+  return (vf16)DS_LANES4(L_);
+#undef L_
+}
+static inline vf16 vf_lut16(const float* table, vi16 index) {  // table[index], index in 0..15
+  vf16 out;
+  for (int i = 0; i < 4; i++) {
+    int32_t idx[4];
+    float val[4];
+    vst1q_s32(idx, index.v[i]);
+    for (int j = 0; j < 4; j++) val[j] = table[idx[j]];
+    out.v[i] = vld1q_f32(val);
+  }
+  return out;
+}
+
 #else
 #define DS_SIMD16 0
 #define DS_SIMD_ISA 0
 #endif
+
+// A read prefetch into every cache level (prefetcht0 on x86), the same call on every ISA.
+static inline void ds_prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 #endif
