@@ -83,6 +83,13 @@ def gdn_step(
     return torch.matmul(q.float().unsqueeze(-2), state).squeeze(-2)
 
 
+def _matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b^T over matching batch dims (a [..., L, D], b [..., M, D], both contiguous) as one bmm
+    on views: the N-d matmul copied every b^T first (87 of 4,930 ms of a 512-token CPU prefill)."""
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]).transpose(1, 2))
+    return out.reshape(*a.shape[:-1], b.shape[-2])
+
+
 def gdn_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -119,13 +126,13 @@ def gdn_chunked(
     # decay[i, j] = exp(G_i - G_j) for j <= i (all exponents <= 0, so nothing overflows)
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta
-    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system = _matmul_t(k_beta, k) * decay
     system = system.masked_fill(~causal.tril(-1), 0.0)  # strictly lower part L of (I + L)
     eye = torch.eye(chunk_len, device=q.device)
     rhs = torch.cat([v * beta, k_beta * g.exp().unsqueeze(-1)], dim=-1)
     solved = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
     u, w = solved[..., :v_dim], solved[..., v_dim:]  # u [..,L,V]; w [..,L,K]
-    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk scores, diagonal included
+    attn = _matmul_t(q, k) * decay  # intra-chunk scores, diagonal included
     q_decayed = q * g.exp().unsqueeze(-1)
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
     chunk_decay = g[..., -1].exp()[..., None, None]  # [B,HV,NC,1,1]
