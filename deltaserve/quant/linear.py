@@ -208,11 +208,16 @@ def _qgemv_why_not(c: Case) -> str | None:
 
 @QUANT_LINEAR.register("triton_qgemv", 35, _qgemv_why_not)
 def _quant_triton_qgemv(x, module, prologue):
+    return _gemv_rows(triton_qgemv.qgemv_cuda, x, module, prologue)
+
+
+def _gemv_rows(gemv, x, module, prologue):
+    """A one-row Triton GEMV on x's rows: one call with the prologue fused, else one per row."""
     flat, p = x.reshape(-1, x.shape[-1]), packed(module)
     if prologue is not None:
-        out = triton_qgemv.qgemv_cuda(flat, p, module.scheme, prologue=prologue)
+        out = gemv(flat, p, module.scheme, prologue=prologue)
     else:
-        out = _per_row(triton_qgemv.qgemv_cuda, flat, p, module.scheme)
+        out = _per_row(gemv, flat, p, module.scheme)
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -235,12 +240,7 @@ def _q1_a8_why_not(c: Case) -> str | None:
 
 @QUANT_LINEAR.register("triton_q1_a8", 37, _q1_a8_why_not)
 def _quant_triton_q1_a8(x, module, prologue):
-    flat, p = x.reshape(-1, x.shape[-1]), packed(module)
-    if prologue is not None:
-        out = triton_q1.q1_gemv_a8_cuda(flat, p, module.scheme, prologue=prologue)
-    else:
-        out = _per_row(triton_q1.q1_gemv_a8_cuda, flat, p, module.scheme)
-    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    return _gemv_rows(triton_q1.q1_gemv_a8_cuda, x, module, prologue)
 
 
 def _blocks_why_not(c: Case) -> str | None:
