@@ -9,6 +9,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.cache.sequence import prompt_logits
 from deltaserve.checkpoint.default import default_model_dir
 from deltaserve.ops import triton_qgemv
+from deltaserve.ops.native import isa_paths
 from deltaserve.quant.convert import quantize_checkpoint
 
 pytestmark = [
@@ -18,10 +19,17 @@ pytestmark = [
 PROMPT = "import os\n\n\ndef list_python_files(path):\n"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q1"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q1", "q1-int8-act"])
 def test_quantized_model_on_cuda_matches_the_cpu_engine(tmp_path, monkeypatch, fmt) -> None:
-    # the CPU's int8 GEMV otherwise rounds activations to int8 per group (VNNI, ~0.6% rel-L2)
-    monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")
+    """Exact kernels on both sides (the CPU's int8 GEMVs otherwise round activations to int8 per
+    group, ~0.6% rel-L2); q1-int8-act: both sides' q1 decode GEMVs on x rounded per 32 (the CPU's
+    VNNI / AVX2 kernel and ops/triton_q1), the same math in another summation order."""
+    if fmt == "q1-int8-act":
+        fmt = "q1"
+        if not {"vnni-int8", "avx2-q1"} & set(isa_paths()):
+            pytest.skip("this CPU's kernels keep fp32 activations for q1")
+    else:
+        monkeypatch.setenv("DELTASERVE_EXACT_INT8_ACT", "1")
     quantize_checkpoint(default_model_dir(), fmt, tmp_path / fmt)
     engines = {d: LLM(tmp_path / fmt, dtype="float32", device=d) for d in ("cpu", "cuda")}
     ids = engines["cpu"].tokenizer.encode(PROMPT)
