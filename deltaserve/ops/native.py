@@ -175,7 +175,8 @@ def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
     """The vector paths in the loaded kernels (or `lib`), read from the library itself: "avx512",
     "avx2" or "neon" (the 16-lane loops, csrc/simd.h) else "scalar"; "f16c" (fp16 scales widened by the
     hardware); "vnni-int8" / "vnni-int4" (the int8-activation GEMVs, the 1-bit one with the
-    first; "avx2-int8" / "avx2-int4" / "avx2-q1": the same on AVX2's maddubs); "int8-blocks" (the GGUF
+    first; "avx2-int8" / "avx2-int4" / "avx2-q1": the same on AVX2's maddubs; "neon-int8": the
+    int8 one on ARM's SDOT); "int8-blocks" (the GGUF
     block GEMMs on int8 activations: VNNI, or AVX2's maddubs); "amx-bf16" (the AMX GEMM,
     which also needs the kernel's grant at run time: ops/gemm_amx.available). () without kernels;
     "unknown" first for a library without ds_simd_isa (built before it)."""
@@ -190,6 +191,8 @@ def isa_paths(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
         vector = "avx512" if bits & 2 else "avx2" if bits & 1 else "neon" if bits & 8 else \
             "scalar"
     paths = [name for name, symbol in _ISA_SYMBOLS.items() if hasattr(lib, symbol)]
+    if hasattr(lib, "ds_int8_act_sdot"):  # ARM's SDOT kernel under the same symbol
+        paths[paths.index("vnni-int8")] = "neon-int8"
     if hasattr(lib, "ds_int8_act_avx2"):  # the int8 GEMV's symbol is gemv_q8_avx2.c's
         paths[paths.index("vnni-int8")] = "avx2-int8"
     if hasattr(lib, "ds_int4_act_avx2"):  # and the 4-bit one's

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from deltaserve.ops.native import _SOURCES
-from deltaserve.ops.qgemv import qgemv_ref
+from deltaserve.ops.qgemv import qgemv_act_ref, qgemv_ref
 from deltaserve.quant.ggml_blocks import BLOCKS, dequantize_blocks
-from deltaserve.quant.schemes import FORMATS, quantize
+from deltaserve.quant.schemes import FORMATS, Scheme, quantize
 from tests.ops.test_blocks import blocks_of
 
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
     CC is None or QEMU is None or not SYSROOT.is_dir(),
     reason="needs gcc-aarch64-linux-gnu and qemu-user (Debian packages)")
 MAIN = Path(__file__).parent / "arm" / "parity_main.c"
-BUILDS = {"neon": ["-march=armv8-a"], "scalar": ["-march=armv8-a", "-DDS_NO_NEON"]}
+BUILDS = {"neon": ["-march=armv8-a"], "scalar": ["-march=armv8-a", "-DDS_NO_NEON"],
+          "sdot": ["-march=armv8.2-a+dotprod"]}  # + the int8-activation kernel (gemv_q8_sdot.c)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_each_build_reports_its_vector_path(programs, build) -> None:
-    assert int(_run(programs[build], "isa")) == (8 if build == "neon" else 0)
+    assert int(_run(programs[build], "isa")) == (0 if build == "scalar" else 8)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -97,3 +98,28 @@ def test_block_gemv_matches_the_reference(programs, build, kind, tmp_path) -> No
     x = torch.randn(k, generator=torch.Generator().manual_seed(type_id))
     y = _kernel(programs[build], tmp_path, "blocks", n, k, 0, type_id, w=w, x=x)
     assert rel(y, x.double() @ dequantize_blocks(w, kind).double().T) <= 1e-5
+
+
+@pytest.mark.parametrize("group", [64, 32])  # our int8 format; GGUF Q8_0 (two groups per 64)
+def test_sdot_int8_activation_gemv_matches_its_spec(programs, group, tmp_path) -> None:
+    """int8 on int8 activations (SDOT) against qgemv_act_ref, a zero group of x among them, and
+    the multi-row form giving each row the GEMV's bits."""
+    n, k = 45, 512
+    torch.manual_seed(group)
+    scheme = Scheme("int8", 8, group)
+    p = quantize(torch.randn(n, k) * 0.05, scheme)
+    xs = torch.randn(3, k)
+    xs[0, :group] = 0.0
+    arrays = {"w": p["weight"], "s": p["scales"].float()}
+    rows = [_kernel(programs["sdot"], tmp_path, "q8a", n, k, group, 0, x=x, **arrays) for x in xs]
+    for x, y in zip(xs, rows, strict=True):
+        assert rel(y, qgemv_act_ref(x[None], p, scheme)[0]) <= 1e-6
+    many = _kernel(programs["sdot"], tmp_path, "q8am", n, k, group, 3, x=xs, **arrays)
+    assert torch.equal(many.view(3, n), torch.stack(rows))
+
+
+def test_builds_without_sdot_have_no_int8_activation_kernel(programs, tmp_path) -> None:
+    (tmp_path / "x.bin").write_bytes(b"")
+    run = subprocess.run([QEMU, "-L", str(SYSROOT), str(programs["neon"]), "q8a", "1", "64", "64", "0",
+                          str(tmp_path)], capture_output=True)
+    assert run.returncode == 4

@@ -10,6 +10,19 @@
 #include <string.h>
 #include "simd.h"
 
+// which int8-activation kernels this build has: x86 (VNNI or AVX2) all of them, ARM with SDOT the
+// int8 one (gemv_q8_sdot.c); a plan never asks a build for a kind it lacks (ops/qgemv)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+#define DS_X86_ACT 1
+#else
+#define DS_X86_ACT 0
+#endif
+#if DS_X86_ACT || (defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD) && !defined(DS_NO_NEON))
+#define DS_Q8_ACT 1
+#else
+#define DS_Q8_ACT 0
+#endif
+
 enum { DS_BF16 = 0, DS_Q8 = 1, DS_Q8_VNNI = 2, DS_A4 = 3, DS_Q1 = 4, DS_A4_VNNI = 5,
        DS_Q1_VNNI = 6, DS_BLOCKS = 7, DS_BLOCKS_VNNI = 8, DS_PARTS = 9 };
 
@@ -138,9 +151,10 @@ static void matvec(const DsMat* m, const float* x, float* y, int threads) {
   switch (m->kind) {
     case DS_BF16: ds_gemv_bf16(m->w, x, y, m->n, m->k, threads); break;
     case DS_Q8: ds_gemv_q8(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
-    // gemv_vnni.c, or gemv_q8_avx2.c on AVX2 builds
+#if DS_Q8_ACT  // gemv_vnni.c, gemv_q8_avx2.c on AVX2 builds, gemv_q8_sdot.c on ARM with SDOT
     case DS_Q8_VNNI: ds_gemv_q8_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
+#endif
+#if DS_X86_ACT
     case DS_A4_VNNI: ds_gemv_a4_vnni(m->w, m->s, m->b, x, y, m->n, m->k, m->g, threads, sk); break;
     case DS_Q1_VNNI: ds_gemv_q1_vnni(m->w, m->s, x, y, m->n, m->k, m->g, threads, sk); break;
 #endif
@@ -170,9 +184,11 @@ static void matmat(const DsMat* m, const float* x, float* y, long rows, int thre
     ds_gemm_q8(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
   } else if (m->kind == DS_A4) {
     ds_gemm_a4(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+#if DS_Q8_ACT
   } else if (m->kind == DS_Q8_VNNI) {
     ds_gemm_q8_vnni(m->w, m->s, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
+#endif
+#if DS_X86_ACT
   } else if (m->kind == DS_A4_VNNI) {
     ds_gemm_a4_vnni(m->w, m->s, m->b, x, y, rows, m->n, m->k, m->g, threads, m->scale_kind);
 #endif
