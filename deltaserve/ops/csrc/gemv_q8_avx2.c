@@ -114,32 +114,7 @@ static float row_q8(const int8_t* w, const void* s, int sk, long s0, const int8_
   return hsum8(total) + tail;
 }
 
-void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
-                     long K, long G, int num_threads, int scale_kind) {
-  if (!shape_ok(K, G)) {  // the bits of a ds_gemv_q8 per row
-    ds_gemm_q8(w, s, x, y, M, N, K, G, num_threads, scale_kind);
-    return;
-  }
-  int8_t* xq = malloc(M * K);
-  float* dx = malloc(sizeof(float) * M * (K / G));
-  if (xq == NULL || dx == NULL) abort();  // out of memory: stop rather than write through NULL
-  for (long m = 0; m < M; m++) quantize_x(x + m * K, xq + m * K, dx + m * (K / G), K, G);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long n = 0; n < N; n++)
-    for (long m = 0; m < M; m++)
-      y[m * N + n] = row_q8(w + n * K, s, scale_kind, n * (K / G), xq + m * K, dx + m * (K / G),
-                            K, G);
-  free(xq), free(dx);
-}
-
-void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long N, long K,
-                     long G, int num_threads, int scale_kind) {
-  if (!shape_ok(K, G)) {
-    ds_gemv_q8(w, s, x, y, N, K, G, num_threads, scale_kind);
-    return;
-  }
-  ds_gemm_q8_vnni(w, s, x, y, 1, N, K, G, num_threads, scale_kind);
-}
+#include "q8_act_driver.h"  // ds_gemm_q8_vnni, ds_gemv_q8_vnni
 
 // ---- 4-bit affine codes on int8 activations: gemv_vnni.c's a4 math ----
 // w = s * q + b with q in 0..15: per group y += s * dx * dot(q, xq) + b * dx * sum(xq), the codes
@@ -240,7 +215,7 @@ void ds_gemv_a4_vnni(const uint8_t* w, const void* s, const void* b, const float
 // ---- 1-bit codes (q1, GGUF Q1_0) on int8 activations: gemv_vnni.c's q1 math ----
 // w = s * (2b - 1), x rounded per 32: per 32 y += s * dx * (2 * sum(xq where b) - sum(xq)). Four
 // code bytes become 32 bytes 2 / 0 (broadcast, a bit per lane, compare), VPMADDUBSW against xq;
-// per 8 such 32s their sums in one register (block_sums) plus -sum(xq), times dx, times s.
+// per 8 such 32s their sums in one register (chunk_sums16) plus -sum(xq), times dx, times s.
 
 // 32 bits (LSB first) -> 32 bytes: 2 where the bit is set, 0 elsewhere
 static inline __m256i bits_to_twos(uint32_t bits) {

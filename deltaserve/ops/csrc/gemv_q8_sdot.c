@@ -61,30 +61,5 @@ static float row_q8(const int8_t* w, const void* s, int sk, long s0, const int8_
   return total;
 }
 
-void ds_gemm_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long M, long N,
-                     long K, long G, int num_threads, int scale_kind) {
-  if (!shape_ok(K, G)) {  // the bits of a ds_gemv_q8 per row
-    ds_gemm_q8(w, s, x, y, M, N, K, G, num_threads, scale_kind);
-    return;
-  }
-  int8_t* xq = malloc(M * K);
-  float* dx = malloc(sizeof(float) * M * (K / G));
-  if (xq == NULL || dx == NULL) abort();  // out of memory: stop rather than write through NULL
-  for (long m = 0; m < M; m++) quantize_x(x + m * K, xq + m * K, dx + m * (K / G), K, G);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long n = 0; n < N; n++)
-    for (long m = 0; m < M; m++)
-      y[m * N + n] = row_q8(w + n * K, s, scale_kind, n * (K / G), xq + m * K, dx + m * (K / G),
-                            K, G);
-  free(xq), free(dx);
-}
-
-void ds_gemv_q8_vnni(const int8_t* w, const void* s, const float* x, float* y, long N, long K,
-                     long G, int num_threads, int scale_kind) {
-  if (!shape_ok(K, G)) {
-    ds_gemv_q8(w, s, x, y, N, K, G, num_threads, scale_kind);
-    return;
-  }
-  ds_gemm_q8_vnni(w, s, x, y, 1, N, K, G, num_threads, scale_kind);
-}
+#include "q8_act_driver.h"  // ds_gemm_q8_vnni, ds_gemv_q8_vnni
 #endif
