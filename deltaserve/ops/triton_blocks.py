@@ -1,5 +1,6 @@
 """Decode GEMV on llama.cpp's K-quant and IQ4_XS blocks for CUDA GPUs (Triton), fp32 accumulation:
-the file's bytes read as they are (quant/ggml_blocks.py is the layout and the reference).
+the file's bytes read as they are (quant/ggml_blocks.py is the layout and the reference). Q4_K and
+Q6_K go to the word-wise kernels of ops/triton_kquants.py; Q5_K and IQ4_XS stay here.
 
 One program computes BLOCK_N output rows of one input row and walks K one 256-weight block at a
 time: per 32- (or 16-) weight sub-block a dot of the codes with x, times the sub-block's scale;
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.backend import tl, triton
+from deltaserve.ops import triton_kquants
+from deltaserve.ops.backend import pdl_enabled, tl, triton
 from deltaserve.ops.backend import triton_enabled as available  # noqa: F401 (callers ask here)
 from deltaserve.quant.ggml_blocks import BLOCKS, IQ4_VALUES
 
@@ -81,41 +83,6 @@ if triton is not None:
         tl.store(Y + m * N + rows, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _q6_k_kernel(W, W16, X, Y, N, K, ROW_BYTES, BLOCK_N: tl.constexpr):
-        """Q6_K: ql[128], qh[64], scales[16] int8, d; w = d * scale * (q - 32)."""
-        m = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = rows < N
-        rows = tl.where(ok, rows, 0)
-        h = tl.arange(0, 2)[None, :, None]
-        l = tl.arange(0, 32)[None, None, :]
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for blk in range(0, K // 256):
-            base = rows.to(tl.int64) * ROW_BYTES + blk * 210
-            b3 = base[:, None, None]
-            d = _f16_at(W16, base + 208)
-            qa = tl.load(W + b3 + 64 * h + l).to(tl.int32)
-            qb = tl.load(W + b3 + 64 * h + 32 + l).to(tl.int32)
-            qh = tl.load(W + b3 + 128 + 32 * h + l).to(tl.int32)
-            s_at = W + b3 + 192 + 8 * h + l // 16
-            xb = X + m * K + blk * 256 + 128 * h + l
-            part = tl.zeros([BLOCK_N, 2, 32], dtype=tl.float32)
-            for k in tl.static_range(4):
-                if k == 0:
-                    nib = qa & 15
-                elif k == 1:
-                    nib = qb & 15
-                elif k == 2:
-                    nib = qa >> 4
-                else:
-                    nib = qb >> 4
-                q = (nib | (((qh >> (2 * k)) & 3) << 4)) - 32
-                sc = tl.load(s_at + 2 * k).to(tl.int8, bitcast=True).to(tl.float32)
-                part += sc * q.to(tl.float32) * tl.load(xb + 32 * k).to(tl.float32)
-            acc += d * tl.sum(tl.sum(part, axis=2), axis=1)
-        tl.store(Y + m * N + rows, acc.to(Y.dtype.element_ty), mask=ok)
-
-    @triton.jit
     def _iq4_xs_kernel(W, W16, X, Y, LUT, N, K, ROW_BYTES, BLOCK_N: tl.constexpr):
         """IQ4_XS: d, scales_h (u16), scales_l[4], qs[128] indices into the IQ4 codebook."""
         m = tl.program_id(1)
@@ -147,6 +114,11 @@ def gemv_blocks_cuda(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tenso
     """x [M, K] (M small: one pass over the weight per row; fp32 or 16-bit, the math fp32), w uint8
     [N, K / 256 * bytes] of a kind in KINDS -> [M, N] in x's dtype (no cast kernels around the
     GEMV: on a 0.8B Q4_K_M decode step on an H100 those two copies per GEMV took 0.45 of 2.5 ms)."""
+    if kind in triton_kquants.KINDS:  # the word-wise kernels, one row at a time
+        mode = 2 if pdl_enabled() else 0
+        return torch.cat([triton_kquants.gemv_kquant_cuda(x[r:r + 1], w, kind, pdl=mode)
+                          for r in range(x.shape[0])]) if x.shape[0] > 1 else \
+            triton_kquants.gemv_kquant_cuda(x, w, kind, pdl=mode)
     _, qk, nbytes, _ = BLOCKS[kind]
     rows, k = x.shape
     n = w.shape[0]
@@ -156,11 +128,8 @@ def gemv_blocks_cuda(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tenso
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     w16 = w.view(torch.int16)  # every row's byte count is even: the fp16 fields stay aligned
     grid = (triton.cdiv(n, BLOCK_N), rows)
-    if kind in ("q4_k", "q5_k"):
-        _k4_kernel[grid](w, w16, x, y, n, k, w.shape[1], BYTES=nbytes, FIVE=kind == "q5_k",
-                         BLOCK_N=BLOCK_N)
-    elif kind == "q6_k":
-        _q6_k_kernel[grid](w, w16, x, y, n, k, w.shape[1], BLOCK_N=BLOCK_N)
+    if kind == "q5_k":
+        _k4_kernel[grid](w, w16, x, y, n, k, w.shape[1], BYTES=nbytes, FIVE=True, BLOCK_N=BLOCK_N)
     elif kind == "iq4_xs":
         if x.device not in _LUT:
             _LUT[x.device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=x.device)
