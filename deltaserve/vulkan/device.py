@@ -1,0 +1,210 @@
+"""The Vulkan device through wgpu: the adapter and its limits, buffers within a memory budget,
+compute pipelines built once per shader, and a recorder that puts a whole step's dispatches into
+one command buffer (one submission per step).
+
+A tensor larger than the adapter's largest storage binding (the 248k-row embedding at f32 is 1 GB;
+lavapipe binds 128 MiB) is held as row parts, each its own buffer (`Tensor.parts`): the kernels
+that read such weights run once per part.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deltaserve.errors import ConfigError
+
+try:  # the optional Vulkan backend: pip install deltaserve[vulkan]
+    import wgpu
+except ImportError:  # pragma: no cover - the tests skip with this reason
+    wgpu = None
+
+
+@functools.cache
+def adapter_or_reason() -> tuple[object | None, str]:
+    """(the wgpu adapter, "") or (None, why there is none): no wgpu, or no Vulkan/Metal/DX12 GPU
+    (software adapters such as lavapipe count: CI's tests run on it)."""
+    if wgpu is None:
+        return None, "the wgpu package is not installed (pip install 'deltaserve[vulkan]')"
+    try:
+        adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    except Exception as e:  # noqa: BLE001 - wgpu raises its own types per platform
+        return None, f"no WebGPU adapter: {e}"
+    if adapter is None:
+        return None, "no WebGPU adapter (install a Vulkan driver, e.g. mesa-vulkan-drivers)"
+    return adapter, ""
+
+
+def available() -> bool:
+    return adapter_or_reason()[0] is not None
+
+
+@dataclass
+class Tensor:
+    """A device array: f32 / u32 / i32 elements, row-major `shape`; `parts` the row ranges and
+    buffers it is held in (one part unless it exceeds a binding)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # "f32" | "u32" | "i32"
+    parts: list[tuple[int, int, object]] = field(default_factory=list)  # (row0, rows, buffer)
+
+    @property
+    def buffer(self):
+        if len(self.parts) != 1:
+            raise ValueError(f"a tensor of {len(self.parts)} parts has no single buffer")
+        return self.parts[0][2]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * 4
+
+
+_NP = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
+_TORCH = {torch.float32: "f32", torch.int32: "i32"}
+
+
+class VulkanDevice:
+    """One wgpu device. memory_limit (bytes, or None for the adapter's own): every buffer is
+    counted against it, so a 4 GiB card can be simulated on a larger one."""
+
+    def __init__(self, memory_limit: int | None = None) -> None:
+        adapter, why = adapter_or_reason()
+        if adapter is None:
+            raise ConfigError(f"--device vulkan: {why}")
+        self.adapter = adapter
+        lim = adapter.limits
+        self.max_binding = int(lim["max-storage-buffer-binding-size"])
+        self.max_buffer = int(lim["max-buffer-size"])
+        self.max_groups = int(lim["max-compute-workgroups-per-dimension"])
+        self.features = set(adapter.features)
+        self.device = adapter.request_device_sync(required_limits={
+            "max-storage-buffer-binding-size": self.max_binding,
+            "max-buffer-size": self.max_buffer,
+            "max-storage-buffers-per-shader-stage":
+                int(lim["max-storage-buffers-per-shader-stage"])})
+        self.memory_limit = memory_limit
+        self.allocated = 0
+        self._pipelines: dict[str, object] = {}
+        self.scratch_word = self._buffer(16)  # bound where a kernel's optional buffer is unused
+
+    @property
+    def name(self) -> str:
+        info = self.adapter.info
+        return f"{info['device']} ({info['backend_type']}, {info['adapter_type']})"
+
+    # -- memory -----------------------------------------------------------------------------
+    def _buffer(self, nbytes: int, data=None):
+        nbytes = max(4, (nbytes + 3) // 4 * 4)
+        if self.memory_limit is not None and self.allocated + nbytes > self.memory_limit:
+            raise ConfigError(
+                f"the Vulkan memory plan needs {(self.allocated + nbytes) / 2**30:.2f} GiB, over "
+                f"--gpu-memory-limit {self.memory_limit / 2**30:.2f} GiB")
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.allocated += nbytes
+        if data is None:
+            return self.device.create_buffer(size=nbytes, usage=usage)
+        return self.device.create_buffer_with_data(data=data, usage=usage)
+
+    def _row_parts(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        rows, row_bytes = shape[0], math.prod(shape[1:]) * 4
+        per = max(1, min(self.max_binding, self.max_buffer) // max(row_bytes, 1))
+        return [(r, min(per, rows - r)) for r in range(0, rows, per)] or [(0, 0)]
+
+    def empty(self, shape, dtype: str = "f32") -> Tensor:
+        shape = tuple(int(s) for s in shape)
+        row_bytes = math.prod(shape[1:]) * 4 if len(shape) > 1 else 4
+        parts = self._row_parts(shape) if len(shape) > 1 else [(0, shape[0])]
+        return Tensor(shape, dtype, [(r, n, self._buffer(n * row_bytes)) for r, n in parts])
+
+    def upload(self, t: torch.Tensor | np.ndarray, dtype: str | None = None) -> Tensor:
+        """A host array onto the device (torch fp32 / int32, or numpy), split by rows if needed."""
+        if isinstance(t, torch.Tensor):
+            dtype = dtype or _TORCH.get(t.dtype, "f32")
+            t = t.detach().to("cpu", torch.float32 if dtype == "f32" else torch.int32).numpy()
+        arr = np.ascontiguousarray(t, dtype=_NP[dtype or "f32"])
+        shape = arr.shape if arr.ndim else (1,)
+        if arr.ndim <= 1:
+            return Tensor(shape, dtype or "f32", [(0, shape[0], self._buffer(arr.nbytes, arr))])
+        return Tensor(shape, dtype or "f32",
+                      [(r, n, self._buffer(arr[r:r + n].nbytes, arr[r:r + n]))
+                       for r, n in self._row_parts(shape)])
+
+    def write(self, t: Tensor, arr: np.ndarray, offset_bytes: int = 0) -> None:
+        """Host data into a one-part tensor (a step's inputs, a restored state slot)."""
+        self.device.queue.write_buffer(t.buffer, offset_bytes, np.ascontiguousarray(arr))
+
+    def download(self, t: Tensor) -> torch.Tensor:
+        out = [np.frombuffer(self.device.queue.read_buffer(b, 0, n * self._row_bytes(t)),
+                             _NP[t.dtype]) for _, n, b in t.parts]
+        arr = np.concatenate(out) if len(out) > 1 else out[0]
+        return torch.from_numpy(arr.copy()).reshape(t.shape)
+
+    def read_range(self, t: Tensor, start: int, count: int) -> np.ndarray:
+        """Elements [start, start + count) of a one-part tensor."""
+        data = self.device.queue.read_buffer(t.buffer, start * 4, count * 4)
+        return np.frombuffer(data, _NP[t.dtype]).copy()
+
+    @staticmethod
+    def _row_bytes(t: Tensor) -> int:
+        return math.prod(t.shape[1:]) * 4 if len(t.shape) > 1 else 4
+
+    def free(self, t: Tensor) -> None:
+        for *_, b in t.parts:
+            self.allocated -= b.size
+            b.destroy()
+        t.parts = []
+
+    # -- pipelines and submission -----------------------------------------------------------
+    def pipeline(self, name: str, code: str):
+        """The compute pipeline of a WGSL shader (entry point `main`), built once per name."""
+        if name not in self._pipelines:
+            module = self.device.create_shader_module(code=code)
+            self._pipelines[name] = self.device.create_compute_pipeline(
+                layout="auto", compute={"module": module, "entry_point": "main"})
+        return self._pipelines[name]
+
+    def uniform(self, *values: int | float) -> object:
+        """A small uniform buffer of u32 / f32 scalars (ints as u32, floats as f32), padded to 16 B."""
+        words = np.zeros(max(4, (len(values) + 3) // 4 * 4), np.uint32)
+        for i, v in enumerate(values):
+            words[i] = np.float32(v).view(np.uint32) if isinstance(v, float) else np.uint32(v)
+        return self.device.create_buffer_with_data(data=words, usage=wgpu.BufferUsage.UNIFORM)
+
+    def recorder(self) -> Recorder:
+        return Recorder(self)
+
+
+class Recorder:
+    """Dispatches recorded into one compute pass; submit() sends them as one command buffer."""
+
+    def __init__(self, dev: VulkanDevice) -> None:
+        self.dev = dev
+        self.encoder = dev.device.create_command_encoder()
+        self.cpass = self.encoder.begin_compute_pass()
+        self.dispatches = 0
+
+    def dispatch(self, pipeline, buffers: list, groups: tuple[int, int, int]) -> None:
+        """buffers: a list of (buffer, offset_bytes, size_bytes) or whole buffers, bound 0..n-1."""
+        entries = []
+        for i, b in enumerate(buffers):
+            buf, off, size = b if isinstance(b, tuple) else (b, 0, b.size)
+            entries.append({"binding": i, "resource": {"buffer": buf, "offset": off,
+                                                       "size": size}})
+        group = self.dev.device.create_bind_group(layout=pipeline.get_bind_group_layout(0),
+                                                  entries=entries)
+        gx, gy, gz = groups
+        if max(gx, gy, gz) > self.dev.max_groups:
+            raise ValueError(f"dispatch of {groups} workgroups exceeds the adapter's "
+                             f"{self.dev.max_groups} per dimension")
+        self.cpass.set_pipeline(pipeline)
+        self.cpass.set_bind_group(0, group)
+        self.cpass.dispatch_workgroups(gx, gy, gz)
+        self.dispatches += 1
+
+    def submit(self) -> None:
+        self.cpass.end()
+        self.dev.device.queue.submit([self.encoder.finish()])
