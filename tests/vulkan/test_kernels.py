@@ -82,7 +82,7 @@ def test_gdn_conv_and_delta_rule_walk_each_sequence_in_order(dev) -> None:
     norm_w = torch.randn(s.v, generator=gen) * 0.2 + 1
     window = torch.randn(3, s.conv_dim, s.width - 1, generator=gen)
     state = torch.randn(3, s.hv, s.k, s.v, generator=gen) * 0.1
-    seqs = torch.tensor([[sl, r0, n, 0] for sl, (r0, n) in zip(slots, spans)], dtype=torch.int32)
+    seqs = torch.tensor([[sl, r0, n, 0] for sl, (r0, n) in zip(slots, spans, strict=True)], dtype=torch.int32)
     t = {name: dev.upload(v) for name, v in
          dict(proj=proj, conv_w=conv_w, window=window, state=state, seqs=seqs,
               params=torch.cat([a_log, dt_bias, norm_w])).items()}
@@ -95,7 +95,7 @@ def test_gdn_conv_and_delta_rule_walk_each_sequence_in_order(dev) -> None:
     run(dev, step)
     ref_window, ref_state, want = window.clone(), state.clone(), torch.empty(6, s.hv * s.v)
     c, z = s.conv_dim, s.hv * s.v
-    for slot, (r0, n) in zip(slots, spans):
+    for slot, (r0, n) in zip(slots, spans, strict=True):
         for r in range(r0, r0 + n):
             row = proj[r:r + 1]
             want[r] = gdn_decode_slots_ref(
