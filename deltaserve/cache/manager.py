@@ -61,8 +61,16 @@ class CacheManager:
         # one spare slot and block beyond the configured ones: padding rows of a CUDA-graph decode
         # step read and write them, never a sequence's
         sizes = PoolSizes(config.num_slots + 1, config.num_blocks + 1, config.block_len)
-        self.states = StatePool(model.cfg, config.num_slots + 1, model.act_dtype, model.device)
-        self.kv = KVPool(model.cfg, sizes, config.kv_dtype or model.act_dtype, model.device)
+        vk = getattr(model, "vulkan", None)
+        if vk is not None:  # --device vulkan: the same bookkeeping, storage on that device
+            from deltaserve.vulkan.pools import VulkanKVPool, VulkanStatePool
+
+            self.states = VulkanStatePool(model.cfg, config.num_slots + 1, vk.dev)
+            self.kv = VulkanKVPool(model.cfg, sizes, vk.dev)
+        else:
+            self.states = StatePool(model.cfg, config.num_slots + 1, model.act_dtype,
+                                    model.device)
+            self.kv = KVPool(model.cfg, sizes, config.kv_dtype or model.act_dtype, model.device)
         self.spare_slot, self.spare_block = self.states.allocate(), self.kv.allocate(1)[0]
         self.prefix = (PrefixCache(self.kv, config.prefix_granularity, config.prefix_budget_bytes,
                                    fingerprint) if config.prefix_budget_bytes > 0 else None)

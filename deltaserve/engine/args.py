@@ -44,7 +44,10 @@ class EngineArgs:
     revision: str | None = None  # hub revision (branch, tag or commit) of a hub id
     mmproj: str | None = None  # MiniCPM-V's vision GGUF (None: one beside a .gguf; "none": off)
     dtype: str = "auto"  # weight dtype, one of DTYPES; auto = the checkpoint's
-    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...; or vulkan (vulkan/, wgpu)
+    # --device vulkan: the bytes the engine may allocate on the GPU (a 4 GiB card simulated on a
+    # larger one); None = the adapter's own limits
+    gpu_memory_limit_gb: float | None = None
     max_model_len: int | None = None  # context limit in tokens; None = the model's own
     max_num_seqs: int = 64  # sequences in flight together (a recurrent-state slot each)
     max_num_batched_tokens: int | None = None  # per-step token budget = longest prefill chunk
@@ -92,6 +95,11 @@ class EngineArgs:
             raise ConfigError(f"generation_config {gen!r}: give auto (the checkpoint's), vllm "
                               "(none) or a folder holding a generation_config.json")
         spec = self.speculative_config
+        if self.device == "vulkan":
+            _check_vulkan(self)
+        elif self.gpu_memory_limit_gb is not None:
+            raise ConfigError("--gpu-memory-limit applies to --device vulkan (CUDA: "
+                              "--gpu-memory-utilization)")
         if self.pipeline_parallel_size != 1 and spec is not None and spec.method == "mtp":
             raise ConfigError("speculative method 'mtp' is not supported with pipeline "
                               "parallelism (its drafter reads the last stage's hidden states)")
@@ -121,7 +129,8 @@ class EngineArgs:
         from deltaserve.spec.config import from_cli
 
         kwargs: dict[str, Any] = {}
-        for name in ("model", "mmproj", "dtype", "device", "max_model_len", "max_num_seqs",
+        for name in ("model", "mmproj", "dtype", "device", "gpu_memory_limit_gb",
+                     "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "prefix_snapshots", "kv_cache_dtype",
                      "gpu_memory_utilization", "generation_config"):
             if hasattr(args, name):
@@ -188,7 +197,10 @@ def _model_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
                    help=f"weight dtype: {', '.join(DTYPES)} or half / bf16 / float (default "
                    f"{dtype_default}; auto: the checkpoint's)")
     p.add_argument("--device", default=_DEFAULTS.device,
-                   help=f"torch device (default {_DEFAULTS.device})")
+                   help=f"torch device (default {_DEFAULTS.device}), or vulkan: GPUs without "
+                   "CUDA through wgpu (pip install 'deltaserve[vulkan]')")
+    p.add_argument("--gpu-memory-limit", dest="gpu_memory_limit_gb", type=float, default=None,
+                   metavar="GB", help="--device vulkan: GiB the engine may allocate on the GPU")
     p.add_argument("--max-model-len", "-c", "--ctx-size", dest="max_model_len", type=int,
                    default=_DEFAULTS.max_model_len, metavar="N",
                    help="context limit in tokens (default: the model's; -c / --ctx-size as "
@@ -279,3 +291,19 @@ def _image_flags(p: argparse._ArgumentGroup, dtype_default: str) -> None:
 
 _FLAGS = {"model": _model_flags, "tp": _tp_flags, "pp": _pp_flags,
           "speculative": _speculative_flags, "batching": _batching_flags, "images": _image_flags}
+
+
+def _check_vulkan(args: EngineArgs) -> None:
+    """What the Vulkan backend does not run yet, refused before anything loads."""
+    if args.dtype not in ("auto", "float32"):
+        raise ConfigError(f"--device vulkan runs fp32 weights so far (--dtype auto or float32), "
+                          f"not {args.dtype}")
+    if args.kv_cache_dtype not in ("auto", "float32"):
+        raise ConfigError("--device vulkan keeps K/V in fp32 (--kv-cache-dtype auto)")
+    for name, value in (("speculative decoding", args.speculative_config),
+                        ("--tp", args.tensor_parallel_size not in (None, 1) or None),
+                        ("--pp", args.pipeline_parallel_size != 1 or None)):
+        if value is not None:
+            raise ConfigError(f"--device vulkan does not run {name} yet")
+    if args.gpu_memory_limit_gb is not None and args.gpu_memory_limit_gb <= 0:
+        raise ConfigError(f"--gpu-memory-limit must be positive, got {args.gpu_memory_limit_gb}")

@@ -91,3 +91,57 @@ class NativeDecode:
             self._plan = (key, decode_step.build_plan(model, batch.states, batch.kv))
         plan = self._plan[1]
         return plan if plan is not None and batch.num_tokens <= plan.max_rows else None
+
+
+class VulkanStep:
+    """Every step on the Vulkan device (vulkan/runtime.VulkanModel): one command buffer for the
+    step, or, where a prefill chunk wants prefix snapshots inside it, one per piece up to each
+    snapshot position, the slot's state read back between pieces."""
+
+    def __init__(self, model, greedy: bool) -> None:
+        self.model, self.vk, self.greedy = model, model.vulkan, greedy
+
+    def execute_step(self, step: Step) -> StepLogits:
+        chunks, ids = step.chunks(), step.ids()
+        if any(c.verify for c in chunks) or step.injection() is not None:
+            raise AssertionError("vulkan: drafts and image rows are refused before a step")
+        pools = step.cache
+        snaps: dict[int, dict] = {}
+        if not any(c.snapshot_at for c in chunks):
+            out = self.vk.step(chunks, ids, _last_rows(chunks), pools)
+        else:
+            out, offset = [], 0
+            for i, c in enumerate(chunks):
+                out.append(self._chunk(c, ids[offset:offset + c.num_tokens], pools,
+                                       snaps.setdefault(i, {})))
+                offset += c.num_tokens
+            out = torch.cat(out)
+        if self.greedy:  # the greedy-only head's tokens, from the logits read back
+            out = out.argmax(-1)
+        logits = step_logits(out, step.plan)
+        step.store_snapshots(logits, snaps)
+        return logits
+
+    def _chunk(self, c, ids: list[int], pools, snaps: dict) -> torch.Tensor:
+        """One chunk in pieces ending at its snapshot positions; the last piece's last logits."""
+        from deltaserve.cache.batch import SeqChunk
+
+        cuts = sorted(p for p in c.snapshot_at if c.start_pos < p < c.end_pos) + [c.end_pos]
+        start, out = c.start_pos, None
+        for end in cuts:
+            piece = SeqChunk(c.slot, start, end - start, c.block_table)
+            out = self.vk.step([piece], ids[start - c.start_pos:end - c.start_pos],
+                               [end - start - 1], pools)
+            if end in c.snapshot_at:
+                snaps[end] = {layer: s for layer, s in enumerate(pools.states.snapshot(c.slot))
+                              if s is not None}
+            start = end
+        return out
+
+
+def _last_rows(chunks) -> list[int]:
+    rows, r = [], 0
+    for c in chunks:
+        r += c.num_tokens
+        rows.append(r - 1)
+    return rows

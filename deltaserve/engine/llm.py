@@ -55,13 +55,16 @@ class LLM:
         self.is_default_model = args.model is None
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
-        self.pp, device = init_pp(args.pipeline_parallel_size, args.device, args.layer_split,
-                                  args.tensor_parallel_size)
+        vulkan = args.device == "vulkan"  # the torch model stays on the host (vulkan/runtime)
+        self.pp, device = init_pp(args.pipeline_parallel_size, "cpu" if vulkan else args.device,
+                                  args.layer_split, args.tensor_parallel_size)
         self.tp = None
         if self.pp is None:
             self.tp, device = init_tp(args.tensor_parallel_size, device)
-        self.model, self.config, self.raw_config = load_text_model(self.model_dir, args.dtype,
-                                                                   device, self.tp, self.pp)
+        self.model, self.config, self.raw_config = load_text_model(
+            self.model_dir, "float32" if vulkan else args.dtype, device, self.tp, self.pp)
+        if vulkan:
+            self.model.vulkan = _vulkan_model(self.model, args.gpu_memory_limit_gb)
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
@@ -317,6 +320,16 @@ def _default_batched_tokens(device: torch.device, plan_for, ranks_agree: bool = 
     return (large, planned) if planned[0] >= fallback[0] else (small, fallback)
 
 
+def _vulkan_model(model, limit_gb: float | None):
+    """The model's weights uploaded to the Vulkan device (vulkan/runtime.py)."""
+    from deltaserve.cache.manager import KV_BLOCK_LEN
+    from deltaserve.vulkan.device import VulkanDevice
+    from deltaserve.vulkan.runtime import VulkanModel
+
+    dev = VulkanDevice(None if limit_gb is None else int(limit_gb * 2**30))
+    return VulkanModel(model, dev, KV_BLOCK_LEN)
+
+
 def build_engine(llm: LLM, args: EngineArgs) -> Engine:
     """Pools sized for the model and the device's free memory (cache/memory.plan)."""
     from deltaserve.cache.manager import KV_BLOCK_LEN, PREFIX_GRANULARITY, CacheConfig
@@ -329,6 +342,9 @@ def build_engine(llm: LLM, args: EngineArgs) -> Engine:
                                                  ranks_agree=stage is None and llm.tp is None)
     if stage is not None:  # every rank's scheduler must see the same KV capacity
         num_blocks = stage.agree_min(num_blocks)
+    vk = getattr(llm.model, "vulkan", None)
+    if vk is not None:  # each layer's K (and V) pool is one storage binding
+        num_blocks = min(num_blocks, vk.max_kv_blocks() - 1)
     cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=num_blocks,
                         block_len=KV_BLOCK_LEN, prefix_granularity=PREFIX_GRANULARITY,
                         # off under PP: each stage would cache its own bytes, and every rank's

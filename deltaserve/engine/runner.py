@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.engine.executors import Eager, NativeDecode
+from deltaserve.engine.executors import Eager, NativeDecode, VulkanStep
 from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.engine.step import Feed, Step, StepLogits
@@ -33,6 +33,8 @@ class ModelRunner:
             cfg = model.cfg  # chunks behind cached keys may take the split: load cuDNN now
             warm_split_attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                  model.act_dtype, model.device)
+        # --device vulkan: every step on the Vulkan executor (the pools live on that device)
+        self.vulkan = VulkanStep(model, greedy_head) if getattr(model, "vulkan", None) else None
         self.eager = Eager(model, greedy_head, keep_hidden)
         self.native = NativeDecode(model, greedy_head, keep_hidden) \
             if model.device.type == "cpu" else None
@@ -66,6 +68,8 @@ class ModelRunner:
         hidden: the eager executor runs it, every row's final hidden kept (prompt logprobs)."""
         step = Step(plan, all_ids, feed, images or {}, self.cache, self.model.device,
                     self.rollback)
+        if self.vulkan is not None:
+            return self.vulkan.execute_step(step)
         if hidden:
             return self.eager.execute_step(step, hidden=True)
         for executor in (self.graphs, self.prefill_graphs, self.native, self.eager):

@@ -1,0 +1,162 @@
+"""A Qwen3.5 model on the Vulkan device: its weights resident as f32 device arrays, and one engine
+step (any mix of decode rows and prefill chunks) recorded as one command buffer.
+
+The host keeps the torch model (the weights' source and the engine's bookkeeping); every step's
+arithmetic runs here: embedding, per layer the norm, the mixer (GDN conv + delta rule over the
+state slots, or gated attention over the paged KV pool), the MLP, and the head on the rows whose
+logits the engine asks for. Pools: vulkan/pools.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deltaserve.cache.batch import SeqChunk
+from deltaserve.config import FULL
+from deltaserve.errors import ConfigError
+from deltaserve.vulkan import kernels as vk
+from deltaserve.vulkan import mixers
+from deltaserve.vulkan.device import Tensor, VulkanDevice
+
+
+def _dense(module, name: str) -> torch.Tensor:
+    """A Linear's weight as f32, refused where this backend has no kernel for its layout yet."""
+    if getattr(module, "scheme", None) is not None or getattr(module, "segments", None) or \
+            getattr(module, "input_order", None) is not None:
+        raise ConfigError(f"--device vulkan runs dense weights only so far; {name} is quantized "
+                          "(use a bf16 / fp32 checkpoint)")
+    return module.weight.detach().float()
+
+
+class VulkanModel:
+    """Weights of `model` (Qwen3_5ForCausalLM on the host) uploaded to `dev`."""
+
+    def __init__(self, model, dev: VulkanDevice, block_len: int) -> None:
+        cfg = self.cfg = model.cfg
+        self.dev = dev
+        if model.pp is not None or model.tp is not None:
+            raise ConfigError("--device vulkan does not combine with --tp / --pp")
+        self.shape = mixers.MixerShape(
+            hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads,
+            k=cfg.linear_key_head_dim, v=cfg.linear_value_head_dim,
+            width=cfg.linear_conv_kernel_dim, hq=cfg.num_attention_heads,
+            hkv=cfg.num_key_value_heads, d=cfg.head_dim, rot=cfg.rotary_dim, block_len=block_len)
+        up = dev.upload
+        self.embed = up(model.model.embed_tokens.weight.detach().float())
+        self.head = self.embed if cfg.tie_word_embeddings else up(_dense(model.lm_head, "lm_head"))
+        self.final_norm = up(model.model.norm.weight)
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            w = {"in_norm": up(layer.input_layernorm.weight),
+                 "post_norm": up(layer.post_attention_layernorm.weight),
+                 "gate_up": up(_dense(layer.mlp.gate_up_proj, f"layers.{i}.mlp.gate_up")),
+                 "down": up(_dense(layer.mlp.down_proj, f"layers.{i}.mlp.down"))}
+            if cfg.layer_types[i] == FULL:
+                a = layer.self_attn
+                w.update(qkv=up(_dense(a.qkv_proj, f"layers.{i}.qkv")),
+                         out=up(_dense(a.o_proj, f"layers.{i}.o_proj")),
+                         qk_norms=up(torch.cat([a.q_norm.weight, a.k_norm.weight])))
+            else:
+                g = layer.linear_attn
+                w.update(qkv=up(_dense(g.in_proj, f"layers.{i}.in_proj")),
+                         out=up(_dense(g.out_proj, f"layers.{i}.out_proj")),
+                         conv=up(g.conv1d.weight[:, 0].float()),
+                         params=up(torch.cat([g.A_log.float(), g.dt_bias.float(),
+                                              g.norm.weight.float()])))
+            self.layers.append(w)
+        self.rotary = model.rotary()
+        self._scratch: dict[str, Tensor] = {}
+
+    def max_kv_blocks(self) -> int:
+        """The KV blocks one layer's K pool may hold within one storage binding."""
+        s = self.shape
+        return max(2, self.dev.max_binding // (s.hkv * s.block_len * s.d * 4))
+
+    def _buf(self, name: str, shape: tuple[int, ...], dtype: str = "f32") -> Tensor:
+        """A step scratch array of at least `shape`'s size (kept and regrown by name)."""
+        t = self._scratch.get(name)
+        need = int(np.prod(shape))
+        if t is None or int(np.prod(t.shape)) < need or t.dtype != dtype:
+            if t is not None:
+                self.dev.free(t)
+            t = self._scratch[name] = self.dev.empty((max(need, 1),), dtype)
+        return Tensor(tuple(shape), dtype, [(0, shape[0], t.buffer)])
+
+    def _inputs(self, chunks: list[SeqChunk], ids: list[int]) -> dict[str, Tensor]:
+        """The step's index arrays written to the device: ids, positions, rotary rows, per-row
+        block tables, the sequence table."""
+        rows = len(ids)
+        positions = np.concatenate([np.arange(c.start_pos, c.start_pos + c.num_tokens)
+                                    for c in chunks]).astype(np.int64)
+        width = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((rows, width), np.uint32)
+        seqs = np.zeros((len(chunks), 4), np.uint32)
+        r = 0
+        for i, c in enumerate(chunks):
+            tables[r:r + c.num_tokens, :len(c.block_table)] = c.block_table
+            seqs[i, :3] = (c.slot, r, c.num_tokens)
+            r += c.num_tokens
+        cos, sin = self.rotary.cos_sin(torch.from_numpy(positions), torch.float32)
+        arrays = {"ids": np.asarray(ids, np.uint32), "pos": positions.astype(np.uint32),
+                  "tables": tables, "seqs": seqs,
+                  "rope": torch.stack([cos, sin], 1).numpy()}
+        out = {}
+        for name, arr in arrays.items():
+            t = self._buf(name, arr.shape, "f32" if arr.dtype == np.float32 else "u32")
+            self.dev.write(t, arr)
+            out[name] = t
+        out["width"] = width
+        return out
+
+    def step(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools
+             ) -> torch.Tensor:
+        """Runs the step; returns the f32 logits [len(logit_rows), vocab] of those rows."""
+        cfg, s, dev = self.cfg, self.shape, self.dev
+        rows, n = len(ids), cfg.hidden_size
+        inp = self._inputs(chunks, ids)
+        width = inp["width"]
+        max_len = max(c.start_pos + c.num_tokens for c in chunks)
+        x, h = self._buf("x", (rows, n)), self._buf("h", (rows, n))
+        mixed = self._buf("mixed", (rows, n))
+        rec = dev.recorder()
+        vk.embed(rec, self.embed, inp["ids"], x, rows)
+        vk.rms_norm(rec, x, self.layers[0]["in_norm"], h, rows, n, cfg.rms_norm_eps, 1.0)
+        for i, w in enumerate(self.layers):
+            if cfg.layer_types[i] == FULL:
+                proj = self._buf("aproj", (rows, s.attn_proj))
+                o = self._buf("ao", (rows, s.hq * s.d))
+                vk.gemv(rec, w["qkv"], h, proj, rows)
+                q = self._buf("q", (rows, s.hq, s.d))
+                mixers.qk_prep(rec, s, proj, w["qk_norms"], inp["rope"], inp["pos"], q,
+                               pools.kv.k[i], pools.kv.v[i], inp["tables"], rows, width,
+                               cfg.rms_norm_eps)
+                mixers.attend(rec, s, q, proj, pools.kv.k[i], pools.kv.v[i], inp["pos"],
+                              inp["tables"], self._buf("scores", (rows, s.hq, max_len)), o, rows,
+                              width, max_len)
+            else:
+                proj = self._buf("gproj", (rows, s.gdn_proj))
+                o = self._buf("go", (rows, s.hv * s.v))
+                vk.gemv(rec, w["qkv"], h, proj, rows)
+                conv = self._buf("conv", (rows, s.conv_dim))
+                mixers.gdn_conv(rec, s, proj, w["conv"], pools.states.conv[i], conv,
+                                inp["seqs"], len(chunks))
+                mixers.gdn_delta(rec, s, proj, conv, w["params"], pools.states.recurrent[i], o,
+                                 inp["seqs"], len(chunks), cfg.rms_norm_eps)
+            vk.gemv(rec, w["out"], o, mixed, rows)
+            vk.rms_norm(rec, mixed, w["post_norm"], h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
+            inter = cfg.intermediate_size
+            gu, act = self._buf("gu", (rows, 2 * inter)), self._buf("act", (rows, inter))
+            vk.gemv(rec, w["gate_up"], h, gu, rows)
+            vk.silu_mul(rec, gu, act, rows, inter)
+            vk.gemv(rec, w["down"], act, mixed, rows)
+            norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
+            vk.rms_norm(rec, mixed, norm, h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
+        sel = self._buf("sel", (len(logit_rows),), "u32")
+        dev.write(sel, np.asarray(logit_rows, np.uint32))
+        hs = self._buf("hsel", (len(logit_rows), n))
+        vk.embed(rec, Tensor((rows, n), "f32", h.parts), sel, hs, len(logit_rows))
+        logits = self._buf("logits", (len(logit_rows), cfg.vocab_size))
+        vk.gemv(rec, self.head, hs, logits, len(logit_rows))
+        rec.submit()
+        return dev.download(logits)
