@@ -344,7 +344,7 @@ def build_engine(llm: LLM, args: EngineArgs) -> Engine:
         num_blocks = stage.agree_min(num_blocks)
     vk = getattr(llm.model, "vulkan", None)
     if vk is not None:  # each layer's K (and V) pool is one storage binding
-        num_blocks = min(num_blocks, vk.max_kv_blocks() - 1)
+        num_blocks = min(num_blocks, vk.max_kv_blocks(args.max_num_seqs + 1) - 1)
     cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=num_blocks,
                         block_len=KV_BLOCK_LEN, prefix_granularity=PREFIX_GRANULARITY,
                         # off under PP: each stage would cache its own bytes, and every rank's
@@ -355,14 +355,15 @@ def build_engine(llm: LLM, args: EngineArgs) -> Engine:
                             max_prefill_chunk=batched_tokens, max_waiting=args.max_waiting)
     stage_tag = stage.plan.tag() if stage is not None else ""
     fingerprint = model_fingerprint(llm.model_dir, f"{llm.model.dtype}/{llm.model.act_dtype}/"
-                                    f"{kv_dtype}{tag(llm.tp)}{stage_tag}")
+                                    f"{kv_dtype}{tag(llm.tp)}{stage_tag}"
+                                    f"{'/vulkan' if vk is not None else ''}")
     overlap = env().overlap if env().overlap is not None else llm.model.device.type == "cuda"
     overlap = overlap and stage is None  # a pipeline step is synchronous (send/recv, broadcast)
     config = EngineConfig(scheduler=sched, cache=cache, greedy_head=args.greedy_head,
                           overlap=overlap, speculative=args.speculative_config)
     engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len, config,
                     fingerprint, llm.model_dir)
-    engine.memory_report = report
+    engine.memory_report = report if vk is None else vk.memory_report(engine.cache, report)
     return engine
 
 

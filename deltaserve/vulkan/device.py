@@ -30,6 +30,9 @@ def adapter_or_reason() -> tuple[object | None, str]:
     (software adapters such as lavapipe count: CI's tests run on it)."""
     if wgpu is None:
         return None, "the wgpu package is not installed (pip install 'deltaserve[vulkan]')"
+    # triton's library first: loaded after a Mesa driver (lavapipe carries its own LLVM), its
+    # import crashed the process with a segmentation fault
+    import deltaserve.ops.backend  # noqa: F401
     try:
         adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     except Exception as e:  # noqa: BLE001 - wgpu raises its own types per platform
@@ -81,6 +84,9 @@ class VulkanDevice:
         self.max_buffer = int(lim["max-buffer-size"])
         self.max_groups = int(lim["max-compute-workgroups-per-dimension"])
         self.features = set(adapter.features)
+        # GEMV lanes per output row: a warp's worth on GPUs; few on CPU adapters (lavapipe runs
+        # a workgroup as a loop, so fewer, fuller workgroups are what it runs fast)
+        self.gemv_lanes = 4 if adapter.info["adapter_type"] == "CPU" else 32
         self.device = adapter.request_device_sync(required_limits={
             "max-storage-buffer-binding-size": self.max_binding,
             "max-buffer-size": self.max_buffer,

@@ -19,6 +19,10 @@ from deltaserve.vulkan import kernels as vk
 from deltaserve.vulkan import mixers
 from deltaserve.vulkan.device import Tensor, VulkanDevice
 
+# the step's scratch arrays (activations, logits rows, attention scores) kept free under
+# --gpu-memory-limit; a step that needs more fails its allocation with the limit named
+SCRATCH_RESERVE = 256 << 20
+
 
 def _dense(module, name: str) -> torch.Tensor:
     """A Linear's weight as f32, refused where this backend has no kernel for its layout yet."""
@@ -67,11 +71,42 @@ class VulkanModel:
             self.layers.append(w)
         self.rotary = model.rotary()
         self._scratch: dict[str, Tensor] = {}
+        self.weights_bytes = dev.allocated
 
-    def max_kv_blocks(self) -> int:
-        """The KV blocks one layer's K pool may hold within one storage binding."""
-        s = self.shape
-        return max(2, self.dev.max_binding // (s.hkv * s.block_len * s.d * 4))
+    def memory_report(self, cache, host_plan):
+        """cache/memory's report for what this engine holds on the GPU (the host plan's scratch
+        estimate kept): weights, the pools as allocated, headroom under --gpu-memory-limit."""
+        from dataclasses import replace
+
+        pools = cache.states.bytes_per_slot() * cache.states.num_slots + \
+            cache.kv.bytes_per_block() * cache.kv.num_blocks
+        limit = self.dev.memory_limit
+        return replace(host_plan, device=f"vulkan: {self.dev.name}",
+                       weights_bytes=self.weights_bytes,
+                       num_slots=cache.states.num_slots - 1,
+                       kv_capacity_tokens=(cache.kv.num_blocks - 1) * cache.kv.block_len,
+                       pool_bytes=pools, available_bytes=limit or 0,
+                       headroom_bytes=max(0, (limit or 0) - self.dev.allocated))
+
+    def max_kv_blocks(self, num_slots: int) -> int:
+        """The KV blocks the pools may hold: one layer's K pool within one storage binding, and
+        under --gpu-memory-limit what the weights, `num_slots` state slots and the step scratch
+        (SCRATCH_RESERVE) leave."""
+        s, cfg = self.shape, self.cfg
+        per_layer = s.hkv * s.block_len * s.d * 4
+        blocks = self.dev.max_binding // per_layer
+        if self.dev.memory_limit is not None:
+            gdn = sum(t != FULL for t in cfg.layer_types)
+            state = gdn * num_slots * 4 * (s.conv_dim * (s.width - 1) + s.hv * s.k * s.v)
+            left = self.dev.memory_limit - self.dev.allocated - state - SCRATCH_RESERVE
+            attn = sum(t == FULL for t in cfg.layer_types)
+            blocks = min(blocks, left // max(1, 2 * attn * per_layer))
+        if blocks < 2:
+            raise ConfigError(f"--gpu-memory-limit {self.dev.memory_limit / 2**30:.2f} GiB leaves "
+                              f"no KV cache after the weights ({self.dev.allocated / 2**30:.2f} "
+                              f"GiB) and {num_slots} state slots: raise it or lower "
+                              "--max-num-seqs")
+        return blocks
 
     def _buf(self, name: str, shape: tuple[int, ...], dtype: str = "f32") -> Tensor:
         """A step scratch array of at least `shape`'s size (kept and regrown by name)."""
