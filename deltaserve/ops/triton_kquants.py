@@ -1,6 +1,12 @@
 """Decode GEMV on llama.cpp's Q4_K and Q6_K blocks for CUDA GPUs (Triton), read in machine words:
-the file's bytes as they are (quant/ggml_blocks.py is the layout and the reference), the GEMV
-prologue fused (ops/gemv_prologue) and launched with PDL as ops/triton_qgemv's GEMVs are.
+the file's bytes as they are (quant/ggml_blocks.py is the layout and the reference), launched
+with PDL as ops/triton_qgemv's GEMVs are. The kernels can compute a GEMV prologue
+(ops/gemv_prologue), but the engine does not ask them to: computed per strided x load it cost
+more than the separate norm kernel (0.8B Q4_K_M on an H100: 695 tok/s fused, 833 not).
+
+Measured on one H100, L2-cold (docs/benchmarks/2026-12-07-h100-aa91bc3-kquant-gemv-q4_k_m.json):
+the Q6_K head [248320, 1024] 159 us at 1.31 TB/s (the byte-wise kernel: ~0.70 ms); Q4_K
+6144 x 1024 5.2 us (the byte-wise 6.8), 1024 x 3584 7.4 us (16.2).
 
 Q4_K (144 B = 36 words per 256 weights: d|dmin, three words of 6-bit scales and mins, 32 words of
 codes). Word w of chunk c holds code bytes 4w..4w+3; byte t's low nibble is weight 64c + 4w + t

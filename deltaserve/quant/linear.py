@@ -26,12 +26,10 @@ from deltaserve.layers.linear import WIDEN_MIN_ROWS, scratch
 from deltaserve.ops import (
     dispatch,
     triton_blocks,
-    triton_kquants,
     triton_q1,
     triton_qgemm,
     triton_qgemv,
 )
-from deltaserve.ops.backend import pdl_enabled
 from deltaserve.ops.dispatch import REFERENCE, Case, Op, case, rows_of
 from deltaserve.ops.qgemv import dequantize_into, qgemm_max_rows, qgemm_rows, qgemv
 from deltaserve.quant.schemes import Scheme, dequantize
@@ -260,14 +258,10 @@ def _blocks_why_not(c: Case) -> str | None:
 
 @QUANT_LINEAR.register("triton_blocks", 36, _blocks_why_not)
 def _quant_triton_blocks(x, module, prologue):
-    """GGUF K-quant / IQ4_XS blocks read as they are (ops/triton_blocks.py), row by row; Q4_K and
-    Q6_K rows by the word-wise kernels, which also take the GEMV prologue."""
+    """GGUF K-quant / IQ4_XS blocks read as they are (ops/triton_blocks.py), row by row (Q4_K and
+    Q6_K by the word-wise kernels of ops/triton_kquants.py)."""
     flat = x.reshape(-1, x.shape[-1])
-    if prologue is not None:
-        out = triton_kquants.gemv_kquant_cuda(flat, module.weight, module.scheme.kind,
-                                              pdl=2 if pdl_enabled() else 0, prologue=prologue)
-    else:
-        out = triton_blocks.gemv_blocks_cuda(flat, module.weight, module.scheme.kind)
+    out = triton_blocks.gemv_blocks_cuda(flat, module.weight, module.scheme.kind)
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
