@@ -84,8 +84,8 @@ class VulkanDevice:
         self.max_buffer = int(lim["max-buffer-size"])
         self.max_groups = int(lim["max-compute-workgroups-per-dimension"])
         self.features = set(adapter.features)
-        # GEMV lanes per output row: a warp's worth on GPUs; few on CPU adapters (lavapipe runs
-        # a workgroup as a loop, so fewer, fuller workgroups are what it runs fast)
+        # GEMV lanes per output row (vulkan/weights.py): a warp's worth on GPUs; few on CPU
+        # adapters (lavapipe runs a workgroup as a loop: fewer, fuller workgroups run fast)
         self.gemv_lanes = 4 if adapter.info["adapter_type"] == "CPU" else 32
         self.device = adapter.request_device_sync(required_limits={
             "max-storage-buffer-binding-size": self.max_binding,
@@ -138,6 +138,24 @@ class VulkanDevice:
         return Tensor(shape, dtype or "f32",
                       [(r, n, self._buffer(arr[r:r + n].nbytes, arr[r:r + n]))
                        for r, n in self._row_parts(shape)])
+
+    def upload_rows(self, tensors: list[torch.Tensor], dtype: str = "f32") -> list[Tensor]:
+        """2-D host arrays of equal row counts, each cut into the same row parts (a packed
+        weight's codes with its scales): the parts fit the binding of the widest. Floating
+        tensors are stored as f32, the others as `dtype` words."""
+        row_bytes = max(math.prod(t.shape[1:]) * 4 for t in tensors)
+        per = max(1, min(self.max_binding, self.max_buffer) // row_bytes)
+        rows = tensors[0].shape[0]
+        out = []
+        for t in tensors:
+            kind = "f32" if t.is_floating_point() else dtype
+            arr = t.detach().cpu().float().numpy() if kind == "f32" else \
+                np.ascontiguousarray(t.detach().cpu().numpy()).view(_NP[kind])
+            out.append(Tensor(tuple(arr.shape), kind,
+                              [(r, min(per, rows - r), self._buffer(arr[r:r + per].nbytes,
+                                                                   arr[r:r + per]))
+                               for r in range(0, rows, per)]))
+        return out
 
     def write(self, t: Tensor, arr: np.ndarray, offset_bytes: int = 0) -> None:
         """Host data into a one-part tensor (a step's inputs, a restored state slot)."""

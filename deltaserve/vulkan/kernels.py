@@ -45,50 +45,6 @@ def reduce_fns(wg: int = WG) -> str:
     return _REDUCE.format(wg=wg)
 
 
-GEMV = """
-struct P {{ rows: u32, k: u32, y_stride: u32, y_off: u32, x_stride: u32 }};
-@group(0) @binding(0) var<storage, read> w: array<f32>;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<uniform> p: P;
-const LPR: u32 = {LPR}u;  // lanes per output row; 256 / LPR rows per workgroup
-var<workgroup> part: array<f32, 256>;
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
-  let n = (g.x + g.y * 32768u) * (256u / LPR) + t / LPR;
-  let lane = t % LPR;
-  let r = g.z;
-  var s = 0.0;
-  if (n < p.rows) {{
-    for (var i = lane; i < p.k; i += LPR) {{ s += w[n * p.k + i] * x[r * p.x_stride + i]; }}
-  }}
-  part[t] = s;
-  workgroupBarrier();
-  for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
-    if (lane < h) {{ part[t] += part[t + h]; }}
-    workgroupBarrier();
-  }}
-  if (lane == 0u && n < p.rows) {{ y[r * p.y_stride + p.y_off + n] = part[t]; }}
-}}
-"""
-
-
-def gemv(rec: Recorder, w: Tensor, x: Tensor, y: Tensor, rows: int, x_stride: int | None = None,
-         y_stride: int | None = None, y_off: int = 0) -> None:
-    """y[r, y_off + n] = sum_k w[n, k] x[r, k] for r < rows (every row part of w)."""
-    dev = rec.dev
-    n_total, k = w.shape
-    x_stride = k if x_stride is None else x_stride
-    y_stride = n_total if y_stride is None else y_stride
-    lpr = dev.gemv_lanes
-    pipe = dev.pipeline(f"gemv/{lpr}", GEMV.format(LPR=lpr))
-    for row0, n, buf in w.parts:
-        u = dev.uniform(n, k, y_stride, y_off + row0, x_stride)
-        groups = -(-n // (256 // lpr))
-        rec.dispatch(pipe, [buf, x.buffer, y.buffer, u],
-                     (min(groups, GRID_X), -(-groups // GRID_X), rows))
-
-
 RMSNORM = """
 struct P { dim: u32, eps: f32, offset: f32, add: u32, x_stride: u32, y_stride: u32 };
 @group(0) @binding(0) var<storage, read> x: array<f32>;

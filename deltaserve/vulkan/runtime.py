@@ -1,4 +1,5 @@
-"""A Qwen3.5 model on the Vulkan device: its weights resident as f32 device arrays, and one engine
+"""A Qwen3.5 model on the Vulkan device: its weights resident in their formats (f32, int8, 4-bit
+affine, q1: vulkan/weights.py), and one engine
 step (any mix of decode rows and prefill chunks) recorded as one command buffer.
 
 The host keeps the torch model (the weights' source and the engine's bookkeeping); every step's
@@ -17,20 +18,13 @@ from deltaserve.config import FULL
 from deltaserve.errors import ConfigError
 from deltaserve.vulkan import kernels as vk
 from deltaserve.vulkan import mixers
+from deltaserve.vulkan import weights as qw
 from deltaserve.vulkan.device import Tensor, VulkanDevice
+from deltaserve.vulkan.weights import upload_weight
 
 # the step's scratch arrays (activations, logits rows, attention scores) kept free under
 # --gpu-memory-limit; a step that needs more fails its allocation with the limit named
 SCRATCH_RESERVE = 256 << 20
-
-
-def _dense(module, name: str) -> torch.Tensor:
-    """A Linear's weight as f32, refused where this backend has no kernel for its layout yet."""
-    if getattr(module, "scheme", None) is not None or getattr(module, "segments", None) or \
-            getattr(module, "input_order", None) is not None:
-        raise ConfigError(f"--device vulkan runs dense weights only so far; {name} is quantized "
-                          "(use a bf16 / fp32 checkpoint)")
-    return module.weight.detach().float()
 
 
 class VulkanModel:
@@ -46,25 +40,25 @@ class VulkanModel:
             k=cfg.linear_key_head_dim, v=cfg.linear_value_head_dim,
             width=cfg.linear_conv_kernel_dim, hq=cfg.num_attention_heads,
             hkv=cfg.num_key_value_heads, d=cfg.head_dim, rot=cfg.rotary_dim, block_len=block_len)
-        up = dev.upload
-        self.embed = up(model.model.embed_tokens.weight.detach().float())
-        self.head = self.embed if cfg.tie_word_embeddings else up(_dense(model.lm_head, "lm_head"))
+        up, wt = dev.upload, lambda m, name: upload_weight(dev, m, name)
+        self.embed = wt(model.model.embed_tokens, "embed_tokens")
+        self.head = self.embed if cfg.tie_word_embeddings else wt(model.lm_head, "lm_head")
         self.final_norm = up(model.model.norm.weight)
         self.layers = []
         for i, layer in enumerate(model.model.layers):
             w = {"in_norm": up(layer.input_layernorm.weight),
                  "post_norm": up(layer.post_attention_layernorm.weight),
-                 "gate_up": up(_dense(layer.mlp.gate_up_proj, f"layers.{i}.mlp.gate_up")),
-                 "down": up(_dense(layer.mlp.down_proj, f"layers.{i}.mlp.down"))}
+                 "gate_up": wt(layer.mlp.gate_up_proj, f"layers.{i}.mlp.gate_up"),
+                 "down": wt(layer.mlp.down_proj, f"layers.{i}.mlp.down")}
             if cfg.layer_types[i] == FULL:
                 a = layer.self_attn
-                w.update(qkv=up(_dense(a.qkv_proj, f"layers.{i}.qkv")),
-                         out=up(_dense(a.o_proj, f"layers.{i}.o_proj")),
+                w.update(qkv=wt(a.qkv_proj, f"layers.{i}.qkv"),
+                         out=wt(a.o_proj, f"layers.{i}.o_proj"),
                          qk_norms=up(torch.cat([a.q_norm.weight, a.k_norm.weight])))
             else:
                 g = layer.linear_attn
-                w.update(qkv=up(_dense(g.in_proj, f"layers.{i}.in_proj")),
-                         out=up(_dense(g.out_proj, f"layers.{i}.out_proj")),
+                w.update(qkv=wt(g.in_proj, f"layers.{i}.in_proj"),
+                         out=wt(g.out_proj, f"layers.{i}.out_proj"),
                          conv=up(g.conv1d.weight[:, 0].float()),
                          params=up(torch.cat([g.A_log.float(), g.dt_bias.float(),
                                               g.norm.weight.float()])))
@@ -155,13 +149,13 @@ class VulkanModel:
         x, h = self._buf("x", (rows, n)), self._buf("h", (rows, n))
         mixed = self._buf("mixed", (rows, n))
         rec = dev.recorder()
-        vk.embed(rec, self.embed, inp["ids"], x, rows)
+        qw.embed(rec, self.embed, inp["ids"], x, rows)
         vk.rms_norm(rec, x, self.layers[0]["in_norm"], h, rows, n, cfg.rms_norm_eps, 1.0)
         for i, w in enumerate(self.layers):
             if cfg.layer_types[i] == FULL:
                 proj = self._buf("aproj", (rows, s.attn_proj))
                 o = self._buf("ao", (rows, s.hq * s.d))
-                vk.gemv(rec, w["qkv"], h, proj, rows)
+                qw.gemv(rec, w["qkv"], h, proj, rows)
                 q = self._buf("q", (rows, s.hq, s.d))
                 mixers.qk_prep(rec, s, proj, w["qk_norms"], inp["rope"], inp["pos"], q,
                                pools.kv.k[i], pools.kv.v[i], inp["tables"], rows, width,
@@ -172,19 +166,19 @@ class VulkanModel:
             else:
                 proj = self._buf("gproj", (rows, s.gdn_proj))
                 o = self._buf("go", (rows, s.hv * s.v))
-                vk.gemv(rec, w["qkv"], h, proj, rows)
+                qw.gemv(rec, w["qkv"], h, proj, rows)
                 conv = self._buf("conv", (rows, s.conv_dim))
                 mixers.gdn_conv(rec, s, proj, w["conv"], pools.states.conv[i], conv,
                                 inp["seqs"], len(chunks))
                 mixers.gdn_delta(rec, s, proj, conv, w["params"], pools.states.recurrent[i], o,
                                  inp["seqs"], len(chunks), cfg.rms_norm_eps)
-            vk.gemv(rec, w["out"], o, mixed, rows)
+            qw.gemv(rec, w["out"], o, mixed, rows)
             vk.rms_norm(rec, mixed, w["post_norm"], h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
             inter = cfg.intermediate_size
             gu, act = self._buf("gu", (rows, 2 * inter)), self._buf("act", (rows, inter))
-            vk.gemv(rec, w["gate_up"], h, gu, rows)
+            qw.gemv(rec, w["gate_up"], h, gu, rows)
             vk.silu_mul(rec, gu, act, rows, inter)
-            vk.gemv(rec, w["down"], act, mixed, rows)
+            qw.gemv(rec, w["down"], act, mixed, rows)
             norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
             vk.rms_norm(rec, mixed, norm, h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
         sel = self._buf("sel", (len(logit_rows),), "u32")
@@ -192,6 +186,6 @@ class VulkanModel:
         hs = self._buf("hsel", (len(logit_rows), n))
         vk.embed(rec, Tensor((rows, n), "f32", h.parts), sel, hs, len(logit_rows))
         logits = self._buf("logits", (len(logit_rows), cfg.vocab_size))
-        vk.gemv(rec, self.head, hs, logits, len(logit_rows))
+        qw.gemv(rec, self.head, hs, logits, len(logit_rows))
         rec.submit()
         return dev.download(logits)

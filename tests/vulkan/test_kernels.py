@@ -30,16 +30,6 @@ def run(dev, fn):
     rec.submit()
 
 
-def test_gemv_over_row_parts(dev, monkeypatch) -> None:
-    w, x = torch.randn(300, 100), torch.randn(3, 100)
-    monkeypatch.setattr(dev, "max_binding", 64 * 100 * 4)  # 64 rows per part: five parts
-    wt = dev.upload(w)
-    assert len(wt.parts) == 5
-    xt, yt = dev.upload(x), dev.empty((3, 300))
-    run(dev, lambda rec: kernels.gemv(rec, wt, xt, yt, 3))
-    assert rel(dev.download(yt), x @ w.T) < 1e-6
-
-
 def test_rms_norm_and_the_residual_add(dev) -> None:
     x, w, res = torch.randn(5, 384), torch.randn(384) * 0.1, torch.randn(5, 384)
     xt, wt, rt, yt = dev.upload(x), dev.upload(w), dev.upload(res), dev.empty((5, 384))
@@ -156,3 +146,33 @@ def test_attention_over_paged_blocks(dev) -> None:
     assert rel(dev.download(out).reshape(4, s.hq, s.d), want) < 1e-5
     assert rel(dev.download(t["k_pool"]), k_pool) < 1e-6
     assert torch.equal(dev.download(t["v_pool"]), v_pool)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8", "int4", "q1"])
+def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
+    """The GEMV and the embedding gather on every format against dequantize, over row parts."""
+    from types import SimpleNamespace
+
+    from deltaserve.quant.schemes import FORMATS, dequantize, quantize
+    from deltaserve.vulkan import weights
+
+    w = torch.randn(300, 256) * 0.05
+    if fmt == "f32":
+        module, want = SimpleNamespace(weight=w, scheme=None), w
+    else:
+        scheme = FORMATS[fmt]
+        p = quantize(w, scheme)
+        module = SimpleNamespace(weight=p["weight"], scales=p["scales"], biases=p.get("biases"),
+                                 scheme=scheme, in_cols=256)
+        want = dequantize(p, scheme)
+    monkeypatch.setattr(dev, "max_binding", 128 * 256 * 4)  # the f32 rows: three parts
+    wt = weights.upload_weight(dev, module, fmt)
+    assert len(wt.codes.parts) == 3 if fmt == "f32" else len(wt.codes.parts) >= 1
+    x = torch.randn(3, 256)
+    xt, yt = dev.upload(x), dev.empty((3, 300))
+    run(dev, lambda rec: weights.gemv(rec, wt, xt, yt, 3))
+    assert rel(dev.download(yt), x @ want.T) < 2e-6
+    ids = torch.tensor([0, 299, 128, 5], dtype=torch.int32)
+    it, et = dev.upload(ids), dev.empty((4, 256))
+    run(dev, lambda rec: weights.embed(rec, wt, it, et, 4))
+    assert rel(dev.download(et), want[ids.long()]) < 1e-6

@@ -1,0 +1,199 @@
+"""Weights on the Vulkan device in the engine's formats, and the two kernels that read them: the
+GEMV (y = x W^T for a step's rows) and the embedding gather (rows of W by token id).
+
+Formats (quant/schemes.py): f32; int8 (codes four to a u32 word, one scale per group); affine
+4-bit (eight codes to a word, low bits first, scale and bias per group); q1 (32 signs to a word,
+w = s (2b - 1)). Scales and biases are held as f32. A weight past the adapter's largest binding is
+held as row parts, its codes, scales and biases cut at the same rows (vulkan/device.py).
+Reference: quant.schemes.dequantize, then F.linear / F.embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.errors import ConfigError
+from deltaserve.vulkan.device import Recorder, Tensor, VulkanDevice
+
+GRID_X = 32768
+
+
+@dataclass
+class Weight:
+    """W [N, K]: kind "f32" | "int8" | "affine" (4-bit) | "q1"; codes [N, words] u32 (f32: the
+    values), scales / biases [N, K / group] f32 (None where the format has none)."""
+
+    kind: str
+    n: int
+    k: int
+    group: int
+    codes: Tensor
+    scales: Tensor | None = None
+    biases: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.biases) if t is not None)
+
+
+PER_WORD = {"f32": 1, "int8": 4, "affine": 8, "q1": 32}
+
+
+def upload_weight(dev: VulkanDevice, module, name: str, table: torch.Tensor | None = None
+                  ) -> Weight:
+    """A Linear's or embedding's weight (dense or packed by quant/linear) onto the device."""
+    scheme = getattr(module, "scheme", None)
+    if getattr(module, "segments", None) or getattr(module, "input_order", None) is not None:
+        raise ConfigError(f"--device vulkan: {name} is packed from differently quantized parts "
+                          "(a GGUF file); its layout has no Vulkan kernel yet")
+    if scheme is None:
+        w = (module.weight if table is None else table).detach().float()
+        return Weight("f32", w.shape[0], w.shape[1], 1, *dev.upload_rows([w]))
+    if scheme.is_block() or (scheme.kind == "affine" and scheme.bits != 4):
+        raise ConfigError(f"--device vulkan: {name} is {scheme.kind} {scheme.bits}-bit; the "
+                          "Vulkan kernels read int8, 4-bit affine and q1")
+    codes = module.weight.detach().contiguous().view(torch.int32)
+    n, k = module.weight.shape[0], module.in_cols
+    parts = [codes, module.scales.detach().float()]
+    if scheme.has_biases():
+        parts.append(module.biases.detach().float())
+    if k % PER_WORD[scheme.kind] or scheme.group_size % PER_WORD[scheme.kind]:
+        raise ConfigError(f"--device vulkan: {name}'s groups of {scheme.group_size} do not hold "
+                          "whole code words")
+    return Weight(scheme.kind, n, k, scheme.group_size, *dev.upload_rows(parts, "i32"))
+
+
+_WORD_DOT = """
+const KIND: u32 = {KIND}u;  // 0 f32, 1 int8, 2 affine 4-bit, 3 q1
+const PER: u32 = {PER}u;  // elements per word
+// the dot of word i of row n (elements i*PER ..) with x from xb; f32: the value times x
+fn word_dot(n: u32, i: u32, xb: u32) -> f32 {{
+  let wi = n * p.words + i;
+  if (KIND == 0u) {{ return bitcast<f32>(codes[wi]) * x[xb + i]; }}
+  let word = codes[wi];
+  let e0 = i * PER;
+  let g = n * (p.k / p.group) + e0 / p.group;
+  var acc = 0.0;
+  var xs = 0.0;
+  for (var j = 0u; j < PER; j++) {{
+    let xv = x[xb + e0 + j];
+    var q = 0.0;
+    if (KIND == 1u) {{ q = f32((i32(word << (24u - 8u * j))) >> 24u); }}
+    else if (KIND == 2u) {{ q = f32((word >> (4u * j)) & 15u); xs += xv; }}
+    else {{ q = f32((word >> j) & 1u) * 2.0 - 1.0; }}
+    acc += q * xv;
+  }}
+  var out = acc * scales[g];
+  if (KIND == 2u) {{ out += biases[g] * xs; }}
+  return out;
+}}
+"""
+
+_ELEM = """
+const KIND: u32 = {KIND}u;
+const PER: u32 = {PER}u;
+fn elem(n: u32, e: u32) -> f32 {{
+  let wi = n * p.words + e / PER;
+  if (KIND == 0u) {{ return bitcast<f32>(codes[wi]); }}
+  let word = codes[wi];
+  let j = e % PER;
+  let g = n * (p.k / p.group) + e / p.group;
+  var q = 0.0;
+  if (KIND == 1u) {{ q = f32((i32(word << (24u - 8u * j))) >> 24u); }}
+  else if (KIND == 2u) {{ q = f32((word >> (4u * j)) & 15u); }}
+  else {{ q = f32((word >> j) & 1u) * 2.0 - 1.0; }}
+  var w = q * scales[g];
+  if (KIND == 2u) {{ w += biases[g]; }}
+  return w;
+}}
+"""
+
+_BINDINGS = """
+struct P {{ rows: u32, k: u32, words: u32, group: u32, y_stride: u32, y_off: u32, x_stride: u32 }};
+@group(0) @binding(0) var<storage, read> codes: array<u32>;
+@group(0) @binding(1) var<storage, read> scales: array<f32>;
+@group(0) @binding(2) var<storage, read> biases: array<f32>;
+@group(0) @binding(3) var<storage, read> x: array<f32>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+@group(0) @binding(5) var<uniform> p: P;
+"""
+
+GEMV = _BINDINGS + _WORD_DOT + """
+const LPR: u32 = {LPR}u;  // lanes per output row; 256 / LPR rows per workgroup
+var<workgroup> part: array<f32, 256>;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
+  let n = (g.x + g.y * 32768u) * (256u / LPR) + t / LPR;
+  let lane = t % LPR;
+  let r = g.z;
+  var s = 0.0;
+  if (n < p.rows) {{
+    for (var i = lane; i < p.words; i += LPR) {{ s += word_dot(n, i, r * p.x_stride); }}
+  }}
+  part[t] = s;
+  workgroupBarrier();
+  for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
+    if (lane < h) {{ part[t] += part[t + h]; }}
+    workgroupBarrier();
+  }}
+  if (lane == 0u && n < p.rows) {{ y[r * p.y_stride + p.y_off + n] = part[t]; }}
+}}
+"""
+
+# ids: x's binding as u32; y_off: the part's first row; the table row of token id is id - y_off
+EMBED = _BINDINGS.replace("var<storage, read> x: array<f32>", "var<storage, read> x: array<u32>") \
+    + _ELEM + """
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
+  let r = g.y;
+  let e = g.x * 256u + t;
+  let id = x[r];
+  if (e < p.k && id >= p.y_off && id < p.y_off + p.rows) {{
+    y[r * p.k + e] = elem(id - p.y_off, e);
+  }}
+}}
+"""
+
+_KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3}
+
+
+def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0):
+    kind = _KIND_ID[w.kind]
+    return dev.pipeline(f"{name}/{w.kind}/{lanes}",
+                        src.format(KIND=kind, PER=PER_WORD[w.kind], LPR=lanes))
+
+
+def _parts(w: Weight):
+    """(row0, rows, codes, scales, biases) buffers per part (scales / biases bound to a spare
+    word where the format has none)."""
+    for i, (row0, n, codes) in enumerate(w.codes.parts):
+        scales = w.scales.parts[i][2] if w.scales is not None else None
+        biases = w.biases.parts[i][2] if w.biases is not None else None
+        yield row0, n, codes, scales, biases
+
+
+def gemv(rec: Recorder, w: Weight, x: Tensor, y: Tensor, rows: int) -> None:
+    """y[r, n] = sum_k W[n, k] x[r, k] for r < rows."""
+    dev = rec.dev
+    lanes = dev.gemv_lanes
+    pipe = _pipe(dev, GEMV, "qgemv", w, lanes)
+    words = w.k // PER_WORD[w.kind]
+    for row0, n, codes, scales, biases in _parts(w):
+        u = dev.uniform(n, w.k, words, w.group, w.n, row0, w.k)
+        groups = -(-n // (256 // lanes))
+        rec.dispatch(pipe, [codes, scales or dev.scratch_word, biases or dev.scratch_word,
+                            x.buffer, y.buffer, u], (min(groups, GRID_X), -(-groups // GRID_X),
+                                                     rows))
+
+
+def embed(rec: Recorder, w: Weight, ids: Tensor, y: Tensor, rows: int) -> None:
+    """y[r] = W[ids[r]] (every part looks for its own ids)."""
+    dev = rec.dev
+    pipe = _pipe(dev, EMBED, "qembed", w)
+    words = w.k // PER_WORD[w.kind]
+    for row0, n, codes, scales, biases in _parts(w):
+        u = dev.uniform(n, w.k, words, w.group, w.k, row0, 0)
+        rec.dispatch(pipe, [codes, scales or dev.scratch_word, biases or dev.scratch_word,
+                            ids.buffer, y.buffer, u], (-(-w.k // 256), rows, 1))
