@@ -171,6 +171,9 @@ def _parser_gate(sub: argparse._SubParsersAction) -> None:
     gate = sub.add_parser("gate", help="quality gate: model A against model B on natural prompts")
     gate.add_argument("--against", default=None, help="the reference model (default: embedded)")
     gate.add_argument("--against-dtype", default=None, help="its dtype (default: --dtype)")
+    gate.add_argument("--against-device", default=None,
+                      help="its device (default: --device), e.g. --device vulkan "
+                      "--against-device cpu")
     gate.add_argument("--prompts", default=None, help="prompts JSON (default: the built-in set)")
     gate.add_argument("--thresholds", default="quantized", help="quantized, exact, or a JSON file")
     gate.add_argument("--out", default=None, help="write the JSON record here too")

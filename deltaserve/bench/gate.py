@@ -136,8 +136,11 @@ def run_gate(args: argparse.Namespace) -> int:
             for k, v in (("a", args.model), ("b", args.against))}
     engine_args = EngineArgs.from_cli_args(args)
     a = LLM.from_engine_args(replace(engine_args, model=dirs["a"], mmproj=None))
+    b_device = getattr(args, "against_device", None) or engine_args.device
     b = LLM.from_engine_args(replace(engine_args, model=dirs["b"], mmproj=None,
-                                     dtype=args.against_dtype or args.dtype))
+                                     dtype=args.against_dtype or args.dtype, device=b_device,
+                                     gpu_memory_limit_gb=None if b_device != "vulkan"
+                                     else engine_args.gpu_memory_limit_gb))
     rows = []
     with bar(len(prompts), "gate", "prompt") as shown:
         for p in prompts:
@@ -152,7 +155,8 @@ def run_gate(args: argparse.Namespace) -> int:
         "kind": "gate", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
         "model": str(dirs["a"]), "against": str(dirs["b"]),
         "fingerprints": {k: checkpoint_fingerprint(v) for k, v in dirs.items()},
-        "device": device_info(args.device), "dtype": args.dtype, "flags": flags(),
+        "device": device_info(args.device), "against_device": b_device, "dtype": args.dtype,
+        "flags": flags(),
         "thresholds": th, "passed": not fails, "failures": fails,
         "summary": {
             "mean_agreement": sum(r["agreement"] for r in rows) / len(rows),

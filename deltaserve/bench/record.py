@@ -46,6 +46,13 @@ def device_info(device: str) -> dict[str, object]:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["name"] = torch.cuda.get_device_name(torch.device(device))
         return info
+    if device == "vulkan":
+        from deltaserve.vulkan.device import adapter_or_reason
+
+        adapter, why = adapter_or_reason()
+        info["name"] = why if adapter is None else \
+            f"{adapter.info['device']} ({adapter.info['backend_type']}, {adapter.info['adapter_type']})"
+        return info
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,10 +111,16 @@ class VulkanDevice:
                 f"the Vulkan memory plan needs {(self.allocated + nbytes) / 2**30:.2f} GiB, over "
                 f"--gpu-memory-limit {self.memory_limit / 2**30:.2f} GiB")
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        self.allocated += nbytes
         if data is None:
-            return self.device.create_buffer(size=nbytes, usage=usage)
-        return self.device.create_buffer_with_data(data=data, usage=usage)
+            buf = self.device.create_buffer(size=nbytes, usage=usage)
+        else:
+            buf = self.device.create_buffer_with_data(data=data, usage=usage)
+        self.allocated += nbytes  # given back when the buffer object goes (wgpu frees it then)
+        weakref.finalize(buf, self._release, nbytes)
+        return buf
+
+    def _release(self, nbytes: int) -> None:
+        self.allocated -= nbytes
 
     def _row_parts(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         rows, row_bytes = shape[0], math.prod(shape[1:]) * 4
@@ -178,8 +185,7 @@ class VulkanDevice:
 
     def free(self, t: Tensor) -> None:
         for *_, b in t.parts:
-            self.allocated -= b.size
-            b.destroy()
+            b.destroy()  # its memory now; the accounting when the object goes
         t.parts = []
 
     # -- pipelines and submission -----------------------------------------------------------
