@@ -138,6 +138,23 @@ class KVPool:
     def bytes_per_block(self) -> int:
         return sum(2 * k[0].numel() * k.element_size() for k in self.k if k is not None)
 
+    def block_layout(self, layer: int) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """(dtype, [HKV, L, D]) of one block of an attention layer; None for a GDN layer."""
+        k = self.k[layer]
+        return None if k is None else (k.dtype, tuple(k.shape[1:]))
+
+    def read_blocks(self, layer: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of whole blocks: k, v [len(blocks), HKV, L, D] (snapshot export)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return tuple(x[layer][index].cpu().contiguous() for x in (self.k, self.v))
+
+    def write_blocks(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor
+                     ) -> None:
+        """Whole blocks from host tensors as read_blocks gives them (snapshot import)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self.k[layer][index] = k.to(self.device)
+        self.v[layer][index] = v.to(self.device)
+
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor) -> None:
         """Position t of k_new/v_new [T,HKV,D] goes to block blocks[t], row offsets[t]."""

@@ -24,11 +24,10 @@ def export_snapshots(cache: PrefixCache, path: Path) -> int:
     tensors: dict[str, torch.Tensor] = {}
     block_ids = sorted({b for s in cache.entries.values() for b in s.blocks})
     where = {b: i for i, b in enumerate(block_ids)}
-    index = torch.tensor(block_ids, dtype=torch.long)
-    for layer, (k, v) in enumerate(zip(cache.kv.k, cache.kv.v, strict=True)):
-        if k is not None and block_ids:
-            tensors[f"kv.{layer}.k"] = k[index.to(k.device)].cpu().contiguous()
-            tensors[f"kv.{layer}.v"] = v[index.to(v.device)].cpu().contiguous()
+    for layer in range(len(cache.kv.k)):
+        if cache.kv.block_layout(layer) is not None and block_ids:
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = \
+                cache.kv.read_blocks(layer, block_ids)
     entries = []
     for n, snap in enumerate(cache.entries.values()):
         for layer, state in enumerate(snap.states):
@@ -69,11 +68,10 @@ def import_snapshots(cache: PrefixCache, path: Path) -> int:
     blocks = cache.kv.allocate(num_blocks) if num_blocks else []
     if blocks is None:
         raise CheckpointError(f"{path}: {num_blocks} KV blocks needed, {cache.kv.num_free} free")
-    index = torch.tensor(blocks, dtype=torch.long)
-    for layer, k in enumerate(cache.kv.k):
-        if k is not None and blocks:
-            k[index.to(k.device)] = tensors[f"kv.{layer}.k"].to(k.device)
-            cache.kv.v[layer][index.to(k.device)] = tensors[f"kv.{layer}.v"].to(k.device)
+    for layer in range(len(cache.kv.k)):
+        if cache.kv.block_layout(layer) is not None and blocks:
+            cache.kv.write_blocks(layer, blocks, tensors[f"kv.{layer}.k"],
+                                  tensors[f"kv.{layer}.v"])
     device = cache.kv.device
     for n, e in enumerate(entries):
         states = [_state(tensors, n, layer, device) for layer in range(len(cache.kv.k))]
@@ -103,14 +101,16 @@ def _insert(cache: PrefixCache, key: bytes, length: int, states, blocks: list[in
 def _check_shapes(cache: PrefixCache, tensors: dict, entries: list, path: Path) -> int:
     """Every tensor the entries need, with this engine's shapes and dtypes; returns #blocks."""
     num_blocks = 0
-    for layer, k in enumerate(cache.kv.k):
-        if k is None or f"kv.{layer}.k" not in tensors:
+    for layer in range(len(cache.kv.k)):
+        layout = cache.kv.block_layout(layer)
+        if layout is None or f"kv.{layer}.k" not in tensors:
             continue
+        dtype, shape = layout
         for name in (f"kv.{layer}.k", f"kv.{layer}.v"):
             t = tensors[name]
-            if t.dtype != k.dtype or tuple(t.shape[1:]) != tuple(k.shape[1:]):
+            if t.dtype != dtype or tuple(t.shape[1:]) != shape:
                 raise CheckpointError(f"{path}: {name} is {t.dtype} {tuple(t.shape)}, this engine "
-                                      f"keeps {k.dtype} blocks of {tuple(k.shape[1:])}: refused")
+                                      f"keeps {dtype} blocks of {shape}: refused")
         num_blocks = tensors[f"kv.{layer}.k"].shape[0]
     for n, e in enumerate(entries):
         if any(not 0 <= i < num_blocks for i in e["blocks"]):

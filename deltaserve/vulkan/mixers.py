@@ -248,21 +248,22 @@ def qk_prep(rec: Recorder, s: MixerShape, proj: Tensor, norms: Tensor, rope: Ten
 
 
 ATTEND = """
-struct P {{ mb: u32, max_len: u32, scale: f32 }};
+struct P {{ mb: u32, scale: f32 }};
 @group(0) @binding(0) var<storage, read> q: array<f32>;
 @group(0) @binding(1) var<storage, read> proj: array<f32>;
 @group(0) @binding(2) var<storage, read> kpool: array<f32>;
 @group(0) @binding(3) var<storage, read> vpool: array<f32>;
 @group(0) @binding(4) var<storage, read> rows: array<u32>;
 @group(0) @binding(5) var<storage, read> tables: array<u32>;
-@group(0) @binding(6) var<storage, read_write> scores: array<f32>;
-@group(0) @binding(7) var<storage, read_write> out: array<f32>;
-@group(0) @binding(8) var<uniform> p: P;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+@group(0) @binding(7) var<uniform> p: P;
 const HQ: u32 = {HQ}u;
 const HKV: u32 = {HKV}u;
 const D: u32 = {D}u;
 const L: u32 = {L}u;
 const PW: u32 = {PW}u;
+const DPT: u32 = {DPT}u;
+var<workgroup> probs: array<f32, 256>;
 {REDUCE}
 fn kv_at(r: u32, kh: u32, pos: u32) -> u32 {{
   return ((tables[r * p.mb + pos / L] * HKV + kh) * L + pos % L) * D;
@@ -273,45 +274,57 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
   let r = g.y;
   let kh = h / (HQ / HKV);
   let len = rows[r] + 1u;
-  let sb = (r * HQ + h) * p.max_len;
   let qb = (r * HQ + h) * D;
   var m = -3.0e38;
-  for (var j = t; j < len; j += 256u) {{
-    let kb = kv_at(r, kh, j);
-    var s = 0.0;
-    for (var d = 0u; d < D; d++) {{ s += q[qb + d] * kpool[kb + d]; }}
-    s = s * p.scale;
-    scores[sb + j] = s;
-    m = max(m, s);
-  }}
-  m = wg_max(m, t);
   var l = 0.0;
-  for (var j = t; j < len; j += 256u) {{
-    let e = exp(scores[sb + j] - m);
-    scores[sb + j] = e;
-    l += e;
+  var acc: array<f32, DPT>;
+  for (var j0 = 0u; j0 < len; j0 += 256u) {{
+    let j = j0 + t;
+    var s = -3.0e38;
+    if (j < len) {{
+      let kb = kv_at(r, kh, j);
+      s = 0.0;
+      for (var d = 0u; d < D; d++) {{ s += q[qb + d] * kpool[kb + d]; }}
+      s = s * p.scale;
+    }}
+    let m_new = max(m, wg_max(s, t));
+    let f = exp(m - m_new);
+    var e = 0.0;
+    if (j < len) {{ e = exp(s - m_new); }}
+    probs[t] = e;
+    l = l * f + wg_sum(e, t);
+    let n = min(256u, len - j0);
+    for (var i = 0u; i < DPT; i++) {{
+      let d = t + i * 256u;
+      if (d < D) {{
+        var a = acc[i] * f;
+        for (var jj = 0u; jj < n; jj++) {{ a += probs[jj] * vpool[kv_at(r, kh, j0 + jj) + d]; }}
+        acc[i] = a;
+      }}
+    }}
+    workgroupBarrier();
+    m = m_new;
   }}
-  l = wg_sum(l, t);
-  storageBarrier();
-  for (var d = t; d < D; d += 256u) {{
-    var acc = 0.0;
-    for (var j = 0u; j < len; j++) {{ acc += scores[sb + j] * vpool[kv_at(r, kh, j) + d]; }}
-    let gate = proj[r * PW + h * 2u * D + D + d];
-    out[(r * HQ + h) * D + d] = acc / l / (1.0 + exp(-gate));
+  for (var i = 0u; i < DPT; i++) {{
+    let d = t + i * 256u;
+    if (d < D) {{
+      let gate = proj[r * PW + h * 2u * D + D + d];
+      out[(r * HQ + h) * D + d] = acc[i] / l / (1.0 + exp(-gate));
+    }}
   }}
 }}
 """
 
 
 def attend(rec: Recorder, s: MixerShape, q: Tensor, proj: Tensor, k_pool: Tensor,
-           v_pool: Tensor, positions: Tensor, tables: Tensor, scores: Tensor, out: Tensor,
-           rows: int, max_blocks: int, max_len: int) -> None:
+           v_pool: Tensor, positions: Tensor, tables: Tensor, out: Tensor, rows: int,
+           max_blocks: int) -> None:
     """Causal softmax attention of each row over its sequence's positions 0..pos (GQA), times
-    sigmoid(gate): out [R, HQ*D]. scores: scratch [R, HQ, max_len]."""
+    sigmoid(gate): out [R, HQ*D]. Keys in tiles of 256 with a running max and sum (online
+    softmax), so no scores array grows with the context."""
     code = ATTEND.format(HQ=s.hq, HKV=s.hkv, D=s.d, L=s.block_len, PW=s.attn_proj,
-                         REDUCE=reduce_fns(256))
+                         DPT=-(-s.d // 256), REDUCE=reduce_fns(256))
     pipe = rec.dev.pipeline(f"attend/{s.hq}/{s.hkv}/{s.d}/{s.block_len}", code)
     rec.dispatch(pipe, [q.buffer, proj.buffer, k_pool.buffer, v_pool.buffer, positions.buffer,
-                        tables.buffer, scores.buffer, out.buffer,
-                        rec.dev.uniform(max_blocks, max_len, float(s.d ** -0.5))],
+                        tables.buffer, out.buffer, rec.dev.uniform(max_blocks, float(s.d ** -0.5))],
                  (s.hq, rows, 1))

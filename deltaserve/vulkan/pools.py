@@ -82,3 +82,21 @@ class VulkanKVPool(KVPool):
 
     def bytes_per_block(self) -> int:
         return sum(2 * _row_bytes(k) for k in self.k if k is not None)
+
+    def block_layout(self, layer: int):
+        k = self.k[layer]
+        return None if k is None else (torch.float32, tuple(k.shape[1:]))
+
+    def read_blocks(self, layer: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        def read(t: Tensor) -> torch.Tensor:
+            n = _row_bytes(t) // 4
+            rows = [self.dev.read_range(t, b * n, n) for b in blocks]
+            return torch.from_numpy(np.stack(rows)).reshape(len(blocks), *t.shape[1:])
+        return read(self.k[layer]), read(self.v[layer])
+
+    def write_blocks(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor
+                     ) -> None:
+        for t, src in ((self.k[layer], k), (self.v[layer], v)):
+            rows = src.float().contiguous().numpy()
+            for i, b in enumerate(blocks):
+                self.dev.write(t, rows[i], b * _row_bytes(t))

@@ -138,14 +138,40 @@ class VulkanModel:
         out["width"] = width
         return out
 
+    def max_rows(self) -> int:
+        """The most rows one submission holds: its widest activation row within one storage
+        binding (a longer step runs in pieces, each chunk's rows in order)."""
+        s, cfg = self.shape, self.cfg
+        widest = max(2 * cfg.intermediate_size, s.gdn_proj, s.attn_proj, s.hv * s.v,
+                     s.hq * s.d, cfg.hidden_size)
+        return max(1, min(4096, self.dev.max_binding // (4 * widest)))
+
     def step(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools
              ) -> torch.Tensor:
-        """Runs the step; returns the f32 logits [len(logit_rows), vocab] of those rows."""
+        """Runs the step; returns the f32 logits [len(logit_rows), vocab] of those rows
+        (ascending)."""
+        cap = self.max_rows()
+        if len(ids) <= cap:
+            return self._submit(chunks, ids, logit_rows, pools)
+        out, row = [], 0
+        for c in chunks:  # sequences are independent; a chunk's pieces run in order
+            for off in range(0, c.num_tokens, cap):
+                num = min(cap, c.num_tokens - off)
+                lo = row + off
+                piece = SeqChunk(c.slot, c.start_pos + off, num, c.block_table)
+                want = [r - lo for r in logit_rows if lo <= r < lo + num]
+                got = self._submit([piece], ids[lo:lo + num], want or [num - 1], pools)
+                out.append(got[:len(want)])
+            row += c.num_tokens
+        return torch.cat(out)
+
+    def _submit(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools
+                ) -> torch.Tensor:
+        """One submission of the step (rows within max_rows)."""
         cfg, s, dev = self.cfg, self.shape, self.dev
         rows, n = len(ids), cfg.hidden_size
         inp = self._inputs(chunks, ids)
         width = inp["width"]
-        max_len = max(c.start_pos + c.num_tokens for c in chunks)
         x, h = self._buf("x", (rows, n)), self._buf("h", (rows, n))
         mixed = self._buf("mixed", (rows, n))
         rec = dev.recorder()
@@ -161,8 +187,7 @@ class VulkanModel:
                                pools.kv.k[i], pools.kv.v[i], inp["tables"], rows, width,
                                cfg.rms_norm_eps)
                 mixers.attend(rec, s, q, proj, pools.kv.k[i], pools.kv.v[i], inp["pos"],
-                              inp["tables"], self._buf("scores", (rows, s.hq, max_len)), o, rows,
-                              width, max_len)
+                              inp["tables"], o, rows, width)
             else:
                 proj = self._buf("gproj", (rows, s.gdn_proj))
                 o = self._buf("go", (rows, s.hv * s.v))
@@ -181,11 +206,16 @@ class VulkanModel:
             qw.gemv(rec, w["down"], act, mixed, rows)
             norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
             vk.rms_norm(rec, mixed, norm, h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
-        sel = self._buf("sel", (len(logit_rows),), "u32")
-        dev.write(sel, np.asarray(logit_rows, np.uint32))
-        hs = self._buf("hsel", (len(logit_rows), n))
-        vk.embed(rec, Tensor((rows, n), "f32", h.parts), sel, hs, len(logit_rows))
-        logits = self._buf("logits", (len(logit_rows), cfg.vocab_size))
-        qw.gemv(rec, self.head, hs, logits, len(logit_rows))
+        # the head in groups of rows whose logits fit one binding each
+        per = max(1, self.dev.max_binding // (4 * cfg.vocab_size))
+        groups = []
+        for g, lo in enumerate(range(0, len(logit_rows), per)):
+            part = logit_rows[lo:lo + per]
+            sel = self._buf(f"sel{g}", (len(part),), "u32")
+            dev.write(sel, np.asarray(part, np.uint32))
+            hs = self._buf(f"hsel{g}", (len(part), n))
+            vk.embed(rec, Tensor((rows, n), "f32", h.parts), sel, hs, len(part))
+            groups.append(self._buf(f"logits{g}", (len(part), cfg.vocab_size)))
+            qw.gemv(rec, self.head, hs, groups[-1], len(part))
         rec.submit()
-        return dev.download(logits)
+        return torch.cat([dev.download(t) for t in groups])

@@ -5,6 +5,7 @@ batch, cold and from prefix-cache hits; what the backend does not run is refused
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deltaserve.errors import ConfigError
 from deltaserve.vulkan import device as vkdev
@@ -38,6 +39,10 @@ def test_greedy_tokens_equal_the_cpu_fp32_path(which, tiny_dir, variant_dir) -> 
     want = tokens(cpu, PROMPTS)
     assert [tokens(vk, [p])[0] for p in PROMPTS] == want  # one at a time
     assert tokens(vk, PROMPTS) == want  # batched: a decode row beside a prefill chunk
+    if which == "variant":  # a step over max_rows: every chunk in pieces of 5 rows
+        vk.model.vulkan.max_rows = lambda: 5
+        assert tokens(vk, PROMPTS) == want
+        del vk.model.vulkan.max_rows
     prefix = vk.engine.cache.prefix
     assert prefix.nbytes > 0  # the long prompt's snapshot, read back from the GPU
     hits = prefix.hits
@@ -74,3 +79,36 @@ def test_the_kv_cache_is_sized_within_the_memory_limit(tiny_dir) -> None:
     assert report.device.startswith("vulkan: ")
     assert dev.allocated <= dev.memory_limit and report.headroom_bytes > 0
     assert 0 < report.kv_capacity_tokens < 2**18  # less than the 4 GiB host plan's 262k tokens
+
+
+def test_teacher_forced_logits_through_sequence(tiny_dir) -> None:
+    """cache/sequence (validate's, the gate's and echo scoring's path) runs on the Vulkan pools:
+    every position's logits against the CPU fp32 path."""
+    from deltaserve import LLM
+    from deltaserve.cache.sequence import Sequence, prompt_logits
+
+    cpu, vk = LLM(tiny_dir, dtype="float32"), LLM(tiny_dir, device="vulkan")
+    ids = cpu.tokenizer.encode(PROMPTS[1])
+    want, got = prompt_logits(cpu.model, ids), prompt_logits(vk.model, ids)
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    with pytest.raises(ConfigError, match="hidden states"):
+        Sequence(vk.model, 4).hidden([1, 2])
+    # a step over max_rows runs in pieces (each chunk's rows in order), same logits
+    vk.model.vulkan.max_rows = lambda: 7
+    pieces = prompt_logits(vk.model, ids)
+    assert ((pieces - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_prefix_snapshots_export_and_import_through_gpu_pools(tiny_dir, tmp_path) -> None:
+    from deltaserve import LLM
+    from deltaserve.cache.snapshot_io import export_snapshots, import_snapshots
+
+    a = LLM(tiny_dir, device="vulkan")
+    want = tokens(a, PROMPTS[1:])
+    assert export_snapshots(a.engine.cache.prefix, tmp_path / "snaps.safetensors") > 0
+    b = LLM(tiny_dir, device="vulkan")
+    prefix = b.engine.cache.prefix
+    assert import_snapshots(prefix, tmp_path / "snaps.safetensors") > 0
+    assert tokens(b, PROMPTS[1:]) == want and prefix.hits == 1  # from the imported state

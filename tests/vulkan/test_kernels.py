@@ -97,31 +97,41 @@ def test_gdn_conv_and_delta_rule_walk_each_sequence_in_order(dev) -> None:
     assert torch.equal(dev.download(t["window"]), ref_window)
 
 
-def test_attention_over_paged_blocks(dev) -> None:
-    """Rows of two sequences (a 3-row chunk after 9 cached positions, and one decode row), K/V
-    written through scattered block tables, causal within the chunk."""
+@pytest.mark.parametrize("case", ["short", "long"])
+def test_attention_over_paged_blocks(dev, case) -> None:
+    """Rows of two sequences (a 3-row chunk after cached positions, and one decode row), K/V
+    written through scattered block tables, causal within the chunk; "long" spans several
+    256-key tiles of the online softmax with a head dim over 256."""
+    from dataclasses import replace
+
     from deltaserve.layers.rotary import Rotary, apply_rotary
 
-    s, gen = SHAPE, torch.Generator().manual_seed(1)
-    nb, mb = 8, 3
+    gen = torch.Generator().manual_seed(1)
+    if case == "short":
+        s, nb, mb = SHAPE, 8, 3
+        tables = torch.tensor([[5, 1, 6]] * 3 + [[2, 7, 0]], dtype=torch.int32)
+        positions = torch.tensor([9, 10, 11, 4], dtype=torch.int32)
+    else:
+        s, mb = replace(SHAPE, d=320), 80
+        nb = 2 * mb
+        perm = torch.randperm(nb, generator=gen).to(torch.int32)
+        tables = torch.stack([perm[:mb]] * 3 + [perm[mb:]])
+        positions = torch.tensor([600, 601, 602, 517], dtype=torch.int32)
     k_pool = torch.randn(nb, s.hkv, s.block_len, s.d, generator=gen)
     v_pool = torch.randn(nb, s.hkv, s.block_len, s.d, generator=gen)
-    tables = torch.tensor([[5, 1, 6]] * 3 + [[2, 7, 0]], dtype=torch.int32)
-    positions = torch.tensor([9, 10, 11, 4], dtype=torch.int32)
     proj = torch.randn(4, s.attn_proj, generator=gen)
     norms = torch.randn(2 * s.d, generator=gen) * 0.1
     cos, sin = Rotary(s.rot, 1e7, torch.device("cpu")).cos_sin(positions.long(), torch.float32)
     t = {name: dev.upload(v) for name, v in dict(
         k_pool=k_pool, v_pool=v_pool, tables=tables, positions=positions, proj=proj,
         norms=norms, rope=torch.stack([cos, sin], 1)).items()}
-    q_out, out, scores = dev.empty((4, s.hq, s.d)), dev.empty((4, s.hq * s.d)), \
-        dev.empty((4, s.hq, 32))
+    q_out, out = dev.empty((4, s.hq, s.d)), dev.empty((4, s.hq * s.d))
 
     def step(rec):
         mixers.qk_prep(rec, s, t["proj"], t["norms"], t["rope"], t["positions"], q_out,
                        t["k_pool"], t["v_pool"], t["tables"], 4, mb, 1e-6)
         mixers.attend(rec, s, q_out, t["proj"], t["k_pool"], t["v_pool"], t["positions"],
-                      t["tables"], scores, out, 4, mb, 32)
+                      t["tables"], out, 4, mb)
     run(dev, step)
     qg = proj[:, :2 * s.hq * s.d].reshape(4, s.hq, 2 * s.d)
     q = rms_norm_ref(qg[..., :s.d], norms[:s.d], 1e-6, 1.0)
