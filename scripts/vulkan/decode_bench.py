@@ -33,18 +33,28 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--check-cpu", type=int, default=8, help="greedy tokens compared (0: off)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens timed (0: off)")
+    ap.add_argument("--memory-limit", type=float, default=None, help="--gpu-memory-limit GB")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    vk = LLM(args.model, device="vulkan")
+    vk = LLM(args.model, device="vulkan", gpu_memory_limit_gb=args.memory_limit)
     dev = vk.model.vulkan.dev
     rec = {"kind": "vulkan-decode", "git_commit": os.environ.get("DELTASERVE_GIT_COMMIT", ""),
            "device": dev.name, "model": args.model, "dtype": "float32",
            "gemv_lanes": dev.gemv_lanes, "tokens": args.tokens,
-           "weights_gib": vk.model.vulkan.weights_bytes / 2**30}
+           "weights_gib": vk.model.vulkan.weights_bytes / 2**30,
+           "gpu_memory_limit_gb": args.memory_limit}
     ids, dt = timed(vk, [PROMPT], args.tokens)
     rec["b1_tok_s"] = args.tokens / dt  # prefill of the short prompt included
     _, dt = timed(vk, [PROMPT + f" {i}" for i in range(args.batch)], args.tokens)
     rec[f"b{args.batch}_tok_s"] = args.batch * args.tokens / dt
+    if args.prefill:
+        ids_in = vk.tokenizer.encode(" ".join(["tok"] * 4 * args.prefill))[:args.prefill]
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        t = time.perf_counter()
+        vk.generate([{"prompt_token_ids": ids_in}], sp)
+        rec[f"prefill{args.prefill}_tok_s"] = args.prefill / (time.perf_counter() - t)
+    rec["allocated_gib"] = dev.allocated / 2**30  # weights, pools, step scratch
     if args.check_cpu:
         cpu, _ = timed(LLM(args.model, dtype="float32"), [PROMPT], args.check_cpu)
         rec["greedy_equal_cpu_fp32"] = cpu[0] == ids[0][:args.check_cpu]
