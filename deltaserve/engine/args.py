@@ -295,9 +295,12 @@ _FLAGS = {"model": _model_flags, "tp": _tp_flags, "pp": _pp_flags,
 
 def _check_vulkan(args: EngineArgs) -> None:
     """What the Vulkan backend does not run yet, refused before anything loads."""
-    if args.dtype not in ("auto", "float32"):
-        raise ConfigError(f"--device vulkan runs fp32 weights so far (--dtype auto or float32), "
-                          f"not {args.dtype}")
+    if args.dtype == "bfloat16":
+        raise ConfigError("--device vulkan holds 16-bit weights as float16 (WGSL has no bf16; "
+                          "bf16 checkpoints convert): pass --dtype float16")
+    if args.dtype not in ("auto", "float32", "float16"):
+        raise ConfigError(f"--device vulkan runs --dtype auto / float32 (fp32 weights) or "
+                          f"float16, not {args.dtype}")
     if args.kv_cache_dtype not in ("auto", "float32"):
         raise ConfigError("--device vulkan keeps K/V in fp32 (--kv-cache-dtype auto)")
     for name, value in (("speculative decoding", args.speculative_config),

@@ -64,7 +64,8 @@ class LLM:
         self.model, self.config, self.raw_config = load_text_model(
             self.model_dir, "float32" if vulkan else args.dtype, device, self.tp, self.pp)
         if vulkan:
-            self.model.vulkan = _vulkan_model(self.model, args.gpu_memory_limit_gb)
+            self.model.vulkan = _vulkan_model(self.model, args.gpu_memory_limit_gb,
+                                              half=args.dtype == "float16")
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
         limit = self.config.max_position_embeddings
@@ -320,14 +321,15 @@ def _default_batched_tokens(device: torch.device, plan_for, ranks_agree: bool = 
     return (large, planned) if planned[0] >= fallback[0] else (small, fallback)
 
 
-def _vulkan_model(model, limit_gb: float | None):
-    """The model's weights uploaded to the Vulkan device (vulkan/runtime.py)."""
+def _vulkan_model(model, limit_gb: float | None, half: bool):
+    """The model's weights uploaded to the Vulkan device (vulkan/runtime.py), dense ones as f16
+    where `half`."""
     from deltaserve.cache.manager import KV_BLOCK_LEN
     from deltaserve.vulkan.device import VulkanDevice
     from deltaserve.vulkan.runtime import VulkanModel
 
     dev = VulkanDevice(None if limit_gb is None else int(limit_gb * 2**30))
-    return VulkanModel(model, dev, KV_BLOCK_LEN)
+    return VulkanModel(model, dev, KV_BLOCK_LEN, half)
 
 
 def build_engine(llm: LLM, args: EngineArgs) -> Engine:

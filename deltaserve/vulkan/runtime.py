@@ -28,9 +28,10 @@ SCRATCH_RESERVE = 256 << 20
 
 
 class VulkanModel:
-    """Weights of `model` (Qwen3_5ForCausalLM on the host) uploaded to `dev`."""
+    """Weights of `model` (Qwen3_5ForCausalLM on the host) uploaded to `dev`; the dense matrices
+    as f16 where `half` (--dtype float16), norms and GDN parameters f32 always."""
 
-    def __init__(self, model, dev: VulkanDevice, block_len: int) -> None:
+    def __init__(self, model, dev: VulkanDevice, block_len: int, half: bool = False) -> None:
         cfg = self.cfg = model.cfg
         self.dev = dev
         if model.pp is not None or model.tp is not None:
@@ -40,7 +41,7 @@ class VulkanModel:
             k=cfg.linear_key_head_dim, v=cfg.linear_value_head_dim,
             width=cfg.linear_conv_kernel_dim, hq=cfg.num_attention_heads,
             hkv=cfg.num_key_value_heads, d=cfg.head_dim, rot=cfg.rotary_dim, block_len=block_len)
-        up, wt = dev.upload, lambda m, name: upload_weight(dev, m, name)
+        up, wt = dev.upload, lambda m, name: upload_weight(dev, m, name, half=half)
         self.embed = wt(model.model.embed_tokens, "embed_tokens")
         self.head = self.embed if cfg.tie_word_embeddings else wt(model.lm_head, "lm_head")
         self.final_norm = up(model.model.norm.weight)

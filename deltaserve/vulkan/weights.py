@@ -1,7 +1,8 @@
 """Weights on the Vulkan device in the engine's formats, and the two kernels that read them: the
 GEMV (y = x W^T for a step's rows) and the embedding gather (rows of W by token id).
 
-Formats (quant/schemes.py): f32; int8 (codes four to a u32 word, one scale per group); affine
+Formats (quant/schemes.py): f32; f16 (two to a u32 word, low half first; --dtype float16);
+int8 (codes four to a u32 word, one scale per group); affine
 4-bit (eight codes to a word, low bits first, scale and bias per group); q1 (32 signs to a word,
 w = s (2b - 1)). Scales and biases are held as f32. A weight past the adapter's largest binding is
 held as row parts, its codes, scales and biases cut at the same rows (vulkan/device.py).
@@ -22,8 +23,8 @@ GRID_X = 32768
 
 @dataclass
 class Weight:
-    """W [N, K]: kind "f32" | "int8" | "affine" (4-bit) | "q1"; codes [N, words] u32 (f32: the
-    values), scales / biases [N, K / group] f32 (None where the format has none)."""
+    """W [N, K]: kind "f32" | "f16" | "int8" | "affine" (4-bit) | "q1"; codes [N, words] u32
+    (f32 / f16: the values), scales / biases [N, K / group] f32 (None where the format has none)."""
 
     kind: str
     n: int
@@ -38,19 +39,22 @@ class Weight:
         return sum(t.nbytes for t in (self.codes, self.scales, self.biases) if t is not None)
 
 
-PER_WORD = {"f32": 1, "int8": 4, "affine": 8, "q1": 32}
+PER_WORD = {"f32": 1, "int8": 4, "affine": 8, "q1": 32, "f16": 2}
 
 
-def upload_weight(dev: VulkanDevice, module, name: str, table: torch.Tensor | None = None
-                  ) -> Weight:
-    """A Linear's or embedding's weight (dense or packed by quant/linear) onto the device."""
+def upload_weight(dev: VulkanDevice, module, name: str, table: torch.Tensor | None = None,
+                  half: bool = False) -> Weight:
+    """A Linear's or embedding's weight (dense or packed by quant/linear) onto the device; a
+    dense one as f16 where `half`."""
     scheme = getattr(module, "scheme", None)
     if getattr(module, "segments", None) or getattr(module, "input_order", None) is not None:
         raise ConfigError(f"--device vulkan: {name} is packed from differently quantized parts "
                           "(a GGUF file); its layout has no Vulkan kernel yet")
     if scheme is None:
         w = (module.weight if table is None else table).detach().float()
-        return Weight("f32", w.shape[0], w.shape[1], 1, *dev.upload_rows([w]))
+        if not half:
+            return Weight("f32", w.shape[0], w.shape[1], 1, *dev.upload_rows([w]))
+        return _half(dev, w, name)
     if scheme.is_block() or (scheme.kind == "affine" and scheme.bits != 4):
         raise ConfigError(f"--device vulkan: {name} is {scheme.kind} {scheme.bits}-bit; the "
                           "Vulkan kernels read int8, 4-bit affine and q1")
@@ -65,13 +69,29 @@ def upload_weight(dev: VulkanDevice, module, name: str, table: torch.Tensor | No
     return Weight(scheme.kind, n, k, scheme.group_size, *dev.upload_rows(parts, "i32"))
 
 
+def _half(dev: VulkanDevice, w: torch.Tensor, name: str) -> Weight:
+    """W [N, K] as f16 pairs in u32 words (K even); values past f16's range are refused."""
+    w16 = w.to(torch.float16)
+    if torch.isinf(w16).any() and not torch.isinf(w).any():
+        raise ConfigError(f"--dtype float16: {name} holds values past float16's range "
+                          f"(max |w| {w.abs().max().item():.3g}); run it with --dtype float32")
+    if w.shape[1] % 2:
+        raise ConfigError(f"--dtype float16: {name} has an odd row length {w.shape[1]}")
+    return Weight("f16", w.shape[0], w.shape[1], 1,
+                  *dev.upload_rows([w16.contiguous().view(torch.int32)], "i32"))
+
+
 _WORD_DOT = """
-const KIND: u32 = {KIND}u;  // 0 f32, 1 int8, 2 affine 4-bit, 3 q1
+const KIND: u32 = {KIND}u;  // 0 f32, 1 int8, 2 affine 4-bit, 3 q1, 4 f16
 const PER: u32 = {PER}u;  // elements per word
 // the dot of word i of row n (elements i*PER ..) with x from xb; f32: the value times x
 fn word_dot(n: u32, i: u32, xb: u32) -> f32 {{
   let wi = n * p.words + i;
   if (KIND == 0u) {{ return bitcast<f32>(codes[wi]) * x[xb + i]; }}
+  if (KIND == 4u) {{
+    let h = unpack2x16float(codes[wi]);
+    return h.x * x[xb + 2u * i] + h.y * x[xb + 2u * i + 1u];
+  }}
   let word = codes[wi];
   let e0 = i * PER;
   let g = n * (p.k / p.group) + e0 / p.group;
@@ -97,6 +117,7 @@ const PER: u32 = {PER}u;
 fn elem(n: u32, e: u32) -> f32 {{
   let wi = n * p.words + e / PER;
   if (KIND == 0u) {{ return bitcast<f32>(codes[wi]); }}
+  if (KIND == 4u) {{ return unpack2x16float(codes[wi])[e % 2u]; }}
   let word = codes[wi];
   let j = e % PER;
   let g = n * (p.k / p.group) + e / p.group;
@@ -156,7 +177,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
 }}
 """
 
-_KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3}
+_KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3, "f16": 4}
 
 
 def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0):

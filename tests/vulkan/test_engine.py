@@ -54,7 +54,7 @@ def test_greedy_tokens_equal_the_cpu_fp32_path(which, tiny_dir, variant_dir) -> 
 def test_what_vulkan_does_not_run_is_refused_before_loading(tiny_dir) -> None:
     from deltaserve import LLM
 
-    with pytest.raises(ConfigError, match="fp32 weights so far"):
+    with pytest.raises(ConfigError, match="pass --dtype float16"):
         LLM(tiny_dir, device="vulkan", dtype="bfloat16")
     with pytest.raises(ConfigError, match="speculative"):
         LLM(tiny_dir, device="vulkan", speculative_config={"method": "ngram",
@@ -112,3 +112,22 @@ def test_prefix_snapshots_export_and_import_through_gpu_pools(tiny_dir, tmp_path
     prefix = b.engine.cache.prefix
     assert import_snapshots(prefix, tmp_path / "snaps.safetensors") > 0
     assert tokens(b, PROMPTS[1:]) == want and prefix.hits == 1  # from the imported state
+
+
+def test_float16_weights_against_the_cpu_fp32_path(tiny_dir) -> None:
+    """--dtype float16: the dense matrices held as f16 (half the bytes), the logits within f16
+    rounding of the fp32 path's, the same greedy tokens at the first position of each prompt."""
+    from deltaserve import LLM
+    from deltaserve.cache.sequence import prompt_logits
+
+    cpu, f32 = LLM(tiny_dir, dtype="float32"), LLM(tiny_dir, device="vulkan")
+    f16 = LLM(tiny_dir, device="vulkan", dtype="float16")
+    kinds = {w.kind for layer in f16.model.vulkan.layers for w in layer.values()
+             if hasattr(w, "kind")}
+    assert kinds == {"f16"} and f16.model.vulkan.embed.kind == "f16"
+    assert f16.model.vulkan.weights_bytes < 0.55 * f32.model.vulkan.weights_bytes
+    ids = cpu.tokenizer.encode(PROMPTS[1])
+    want, got = prompt_logits(cpu.model, ids), prompt_logits(f16.model, ids)
+    err = ((got - want).norm() / want.norm()).item()
+    assert 1e-6 < err < 1e-2  # rounded, not exact
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

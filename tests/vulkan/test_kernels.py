@@ -158,7 +158,7 @@ def test_attention_over_paged_blocks(dev, case) -> None:
     assert torch.equal(dev.download(t["v_pool"]), v_pool)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "int8", "int4", "q1"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "int8", "int4", "q1"])
 def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
     """The GEMV and the embedding gather on every format against dequantize, over row parts."""
     from types import SimpleNamespace
@@ -167,8 +167,9 @@ def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
     from deltaserve.vulkan import weights
 
     w = torch.randn(300, 256) * 0.05
-    if fmt == "f32":
-        module, want = SimpleNamespace(weight=w, scheme=None), w
+    if fmt in ("f32", "f16"):
+        module = SimpleNamespace(weight=w, scheme=None)
+        want = w if fmt == "f32" else w.half().float()
     else:
         scheme = FORMATS[fmt]
         p = quantize(w, scheme)
@@ -176,7 +177,8 @@ def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
                                  scheme=scheme, in_cols=256)
         want = dequantize(p, scheme)
     monkeypatch.setattr(dev, "max_binding", 128 * 256 * 4)  # the f32 rows: three parts
-    wt = weights.upload_weight(dev, module, fmt)
+    wt = weights.upload_weight(dev, module, fmt, half=fmt == "f16")
+    assert wt.kind == ("affine" if fmt == "int4" else fmt)
     assert len(wt.codes.parts) == 3 if fmt == "f32" else len(wt.codes.parts) >= 1
     x = torch.randn(3, 256)
     xt, yt = dev.upload(x), dev.empty((3, 300))
