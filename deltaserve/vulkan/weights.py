@@ -132,7 +132,8 @@ fn elem(n: u32, e: u32) -> f32 {{
 """
 
 _BINDINGS = """
-struct P {{ rows: u32, k: u32, words: u32, group: u32, y_stride: u32, y_off: u32, x_stride: u32 }};
+struct P {{ rows: u32, k: u32, words: u32, group: u32, y_stride: u32, y_off: u32, x_stride: u32,
+            m: u32 }};
 @group(0) @binding(0) var<storage, read> codes: array<u32>;
 @group(0) @binding(1) var<storage, read> scales: array<f32>;
 @group(0) @binding(2) var<storage, read> biases: array<f32>;
@@ -160,6 +161,55 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
     workgroupBarrier();
   }}
   if (lane == 0u && n < p.rows) {{ y[r * p.y_stride + p.y_off + n] = part[t]; }}
+}}
+"""
+
+# prefill: tiles of 64 rows x 64 outputs, K in steps of 16 through workgroup memory, each weight
+# element dequantized once per tile (not once per row as the GEMV does); 4 x 4 outputs a thread
+GEMM = _BINDINGS + _ELEM + """
+const TK: u32 = 16u;
+var<workgroup> xs: array<f32, 1024>;  // [64 rows, TK]
+var<workgroup> ws: array<f32, 1024>;  // [64 outputs, TK]
+@compute @workgroup_size(16, 16)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: vec3<u32>,
+        @builtin(local_invocation_index) t: u32) {{
+  let n0 = g.x * 64u;
+  let m0 = g.y * 64u;
+  var acc: array<f32, 16>;
+  for (var k0 = 0u; k0 < p.k; k0 += TK) {{
+    for (var i = 0u; i < 4u; i++) {{
+      let idx = t + i * 256u;
+      let e = k0 + idx % TK;
+      let m = m0 + idx / TK;
+      let n = n0 + idx / TK;
+      var xv = 0.0;
+      if (m < p.m && e < p.k) {{ xv = x[m * p.x_stride + e]; }}
+      var wv = 0.0;
+      if (n < p.rows && e < p.k) {{ wv = elem(n, e); }}
+      xs[idx] = xv;
+      ws[idx] = wv;
+    }}
+    workgroupBarrier();
+    for (var kk = 0u; kk < TK; kk++) {{
+      var a: array<f32, 4>;
+      var b: array<f32, 4>;
+      for (var i = 0u; i < 4u; i++) {{
+        a[i] = xs[(l.y + 16u * i) * TK + kk];
+        b[i] = ws[(l.x + 16u * i) * TK + kk];
+      }}
+      for (var i = 0u; i < 4u; i++) {{
+        for (var j = 0u; j < 4u; j++) {{ acc[i * 4u + j] += a[i] * b[j]; }}
+      }}
+    }}
+    workgroupBarrier();
+  }}
+  for (var i = 0u; i < 4u; i++) {{
+    for (var j = 0u; j < 4u; j++) {{
+      let m = m0 + l.y + 16u * i;
+      let n = n0 + l.x + 16u * j;
+      if (m < p.m && n < p.rows) {{ y[m * p.y_stride + p.y_off + n] = acc[i * 4u + j]; }}
+    }}
+  }}
 }}
 """
 
@@ -195,9 +245,20 @@ def _parts(w: Weight):
         yield row0, n, codes, scales, biases
 
 
+GEMM_MIN_ROWS = 8  # from here on a step's rows go through the tiled GEMM
+
+
 def gemv(rec: Recorder, w: Weight, x: Tensor, y: Tensor, rows: int) -> None:
-    """y[r, n] = sum_k W[n, k] x[r, k] for r < rows."""
+    """y[r, n] = sum_k W[n, k] x[r, k] for r < rows: the GEMV kernel for a few rows (decode),
+    the tiled GEMM for GEMM_MIN_ROWS and more (prefill)."""
     dev = rec.dev
+    if rows >= GEMM_MIN_ROWS:
+        pipe = _pipe(dev, GEMM, "qgemm", w)
+        for row0, n, codes, scales, biases in _parts(w):
+            u = dev.uniform(n, w.k, w.k // PER_WORD[w.kind], w.group, w.n, row0, w.k, rows)
+            rec.dispatch(pipe, [codes, scales or dev.scratch_word, biases or dev.scratch_word,
+                                x.buffer, y.buffer, u], (-(-n // 64), -(-rows // 64), 1))
+        return
     lanes = dev.gemv_lanes
     pipe = _pipe(dev, GEMV, "qgemv", w, lanes)
     words = w.k // PER_WORD[w.kind]

@@ -160,7 +160,8 @@ def test_attention_over_paged_blocks(dev, case) -> None:
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "int8", "int4", "q1"])
 def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
-    """The GEMV and the embedding gather on every format against dequantize, over row parts."""
+    """The GEMV, the tiled GEMM and the embedding gather on every format against dequantize,
+    over row parts."""
     from types import SimpleNamespace
 
     from deltaserve.quant.schemes import FORMATS, dequantize, quantize
@@ -180,11 +181,31 @@ def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
     wt = weights.upload_weight(dev, module, fmt, half=fmt == "f16")
     assert wt.kind == ("affine" if fmt == "int4" else fmt)
     assert len(wt.codes.parts) == 3 if fmt == "f32" else len(wt.codes.parts) >= 1
-    x = torch.randn(3, 256)
-    xt, yt = dev.upload(x), dev.empty((3, 300))
-    run(dev, lambda rec: weights.gemv(rec, wt, xt, yt, 3))
-    assert rel(dev.download(yt), x @ want.T) < 2e-6
+    for rows in (3, 70):  # the GEMV, then the tiled GEMM over two row tiles
+        x = torch.randn(rows, 256)
+        xt, yt = dev.upload(x), dev.empty((rows, 300))
+        run(dev, lambda rec, xt=xt, yt=yt, rows=rows: weights.gemv(rec, wt, xt, yt, rows))
+        assert rel(dev.download(yt), x @ want.T) < 2e-6
     ids = torch.tensor([0, 299, 128, 5], dtype=torch.int32)
     it, et = dev.upload(ids), dev.empty((4, 256))
     run(dev, lambda rec: weights.embed(rec, wt, it, et, 4))
     assert rel(dev.download(et), want[ids.long()]) < 1e-6
+
+
+def test_uniforms_and_bind_groups_are_made_once_and_let_go_with_their_buffers(dev) -> None:
+    """The recorder's caches: one uniform buffer per set of values (ints and floats apart), one
+    bind group per pipeline and buffers; freeing a buffer drops the groups that hold it."""
+    assert dev.uniform(3, 1.5) is dev.uniform(3, 1.5)
+    assert dev.uniform(3, 2.5) is not dev.uniform(3, 1.5)
+    assert dev.uniform(3, 1) is not dev.uniform(3, 1.0)
+    gu = dev.upload(torch.randn(2, 64))
+    y = dev.empty((2, 32))
+    run(dev, lambda rec: kernels.silu_mul(rec, gu, y, 2, 32))
+    run(dev, lambda rec: kernels.silu_mul(rec, gu, y, 2, 32))
+    holding = [k for k in dev._groups if any(e[0] is y.buffer for e in k[1])]
+    assert len(holding) == 1
+    want = F.silu(dev.download(gu)[:, :32]) * dev.download(gu)[:, 32:]
+    assert rel(dev.download(y), want) < 1e-6
+    buf = y.buffer
+    dev.free(y)
+    assert not [k for k in dev._groups if any(e[0] is buf for e in k[1])]
