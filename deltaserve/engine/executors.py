@@ -96,7 +96,8 @@ class NativeDecode:
 class VulkanStep:
     """Every step on the Vulkan device (vulkan/runtime.VulkanModel): one command buffer for the
     step, or, where a prefill chunk wants prefix snapshots inside it, one per piece up to each
-    snapshot position, the slot's state read back between pieces."""
+    snapshot position, the slot's state read back between pieces. The greedy-only head's tokens
+    are the GPU's argmax (the logits stay there)."""
 
     def __init__(self, model, greedy: bool) -> None:
         self.model, self.vk, self.greedy = model, model.vulkan, greedy
@@ -108,7 +109,7 @@ class VulkanStep:
         pools = step.cache
         snaps: dict[int, dict] = {}
         if not any(c.snapshot_at for c in chunks):
-            out = self.vk.step(chunks, ids, _last_rows(chunks), pools)
+            out = self.vk.step(chunks, ids, _last_rows(chunks), pools, self.greedy)
         else:
             out, offset = [], 0
             for i, c in enumerate(chunks):
@@ -116,8 +117,6 @@ class VulkanStep:
                                        snaps.setdefault(i, {})))
                 offset += c.num_tokens
             out = torch.cat(out)
-        if self.greedy:  # the greedy-only head's tokens, from the logits read back
-            out = out.argmax(-1)
         logits = step_logits(out, step.plan)
         step.store_snapshots(logits, snaps)
         return logits
@@ -131,7 +130,7 @@ class VulkanStep:
         for end in cuts:
             piece = SeqChunk(c.slot, start, end - start, c.block_table)
             out = self.vk.step([piece], ids[start - c.start_pos:end - c.start_pos],
-                               [end - start - 1], pools)
+                               [end - start - 1], pools, self.greedy)
             if end in c.snapshot_at:
                 snaps[end] = {layer: s for layer, s in enumerate(pools.states.snapshot(c.slot))
                               if s is not None}

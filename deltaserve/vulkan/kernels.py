@@ -135,3 +135,52 @@ def silu_mul(rec: Recorder, gu: Tensor, y: Tensor, rows: int, inter: int) -> Non
     dev = rec.dev
     rec.dispatch(dev.pipeline("silu_mul", SILU_MUL), [gu.buffer, y.buffer, dev.uniform(inter)],
                  (-(-inter // 256), rows, 1))
+
+
+ARGMAX = """
+struct P { cols: u32, out_off: u32 };
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+@group(0) @binding(2) var<uniform> p: P;
+const NONE: u32 = 0xffffffffu;
+var<workgroup> bv: array<f32, 256>;
+var<workgroup> bi: array<u32, 256>;
+var<workgroup> bn: array<u32, 256>;
+// (value, index) a beats b: larger, or equal and earlier (b empty: always)
+fn beats(av: f32, ai: u32, bv_: f32, bi_: u32) -> bool {
+  return ai != NONE && (bi_ == NONE || av > bv_ || (av == bv_ && ai < bi_));
+}
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+  let r = g.x;
+  var best = 0.0;
+  var idx = NONE;
+  var nan = NONE;
+  for (var j = t; j < p.cols; j += 256u) {
+    let v = x[r * p.cols + j];
+    if ((bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u) { nan = min(nan, j); }
+    else if (beats(v, j, best, idx)) { best = v; idx = j; }
+  }
+  bv[t] = best;
+  bi[t] = idx;
+  bn[t] = nan;
+  workgroupBarrier();
+  for (var h = 128u; h > 0u; h >>= 1u) {
+    if (t < h) {
+      if (beats(bv[t + h], bi[t + h], bv[t], bi[t])) { bv[t] = bv[t + h]; bi[t] = bi[t + h]; }
+      bn[t] = min(bn[t], bn[t + h]);
+    }
+    workgroupBarrier();
+  }
+  if (t == 0u) { out[p.out_off + r] = select(bi[0], bn[0], bn[0] != NONE); }
+}
+"""
+
+
+def argmax(rec: Recorder, x: Tensor, out: Tensor, rows: int, cols: int, out_off: int = 0
+           ) -> None:
+    """out[out_off + r] = argmax of row r of x [rows, cols] as torch.argmax: the first index of
+    the maximum, the first NaN's where a row holds one (the greedy head's tokens)."""
+    dev = rec.dev
+    rec.dispatch(dev.pipeline("argmax", ARGMAX), [x.buffer, out.buffer,
+                                                  dev.uniform(cols, out_off)], (rows, 1, 1))

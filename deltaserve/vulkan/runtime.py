@@ -147,13 +147,14 @@ class VulkanModel:
                      s.hq * s.d, cfg.hidden_size)
         return max(1, min(4096, self.dev.max_binding // (4 * widest)))
 
-    def step(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools
-             ) -> torch.Tensor:
+    def step(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools,
+             greedy: bool = False) -> torch.Tensor:
         """Runs the step; returns the f32 logits [len(logit_rows), vocab] of those rows
-        (ascending)."""
+        (ascending), or where `greedy` their argmax tokens [len(logit_rows)] (int64), the logits
+        left on the GPU."""
         cap = self.max_rows()
         if len(ids) <= cap:
-            return self._submit(chunks, ids, logit_rows, pools)
+            return self._submit(chunks, ids, logit_rows, pools, greedy)
         out, row = [], 0
         for c in chunks:  # sequences are independent; a chunk's pieces run in order
             for off in range(0, c.num_tokens, cap):
@@ -161,13 +162,13 @@ class VulkanModel:
                 lo = row + off
                 piece = SeqChunk(c.slot, c.start_pos + off, num, c.block_table)
                 want = [r - lo for r in logit_rows if lo <= r < lo + num]
-                got = self._submit([piece], ids[lo:lo + num], want or [num - 1], pools)
+                got = self._submit([piece], ids[lo:lo + num], want or [num - 1], pools, greedy)
                 out.append(got[:len(want)])
             row += c.num_tokens
         return torch.cat(out)
 
-    def _submit(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools
-                ) -> torch.Tensor:
+    def _submit(self, chunks: list[SeqChunk], ids: list[int], logit_rows: list[int], pools,
+                greedy: bool) -> torch.Tensor:
         """One submission of the step (rows within max_rows)."""
         cfg, s, dev = self.cfg, self.shape, self.dev
         rows, n = len(ids), cfg.hidden_size
@@ -210,6 +211,7 @@ class VulkanModel:
         # the head in groups of rows whose logits fit one binding each
         per = max(1, self.dev.max_binding // (4 * cfg.vocab_size))
         groups = []
+        tokens = self._buf("tokens", (len(logit_rows),), "u32") if greedy else None
         for g, lo in enumerate(range(0, len(logit_rows), per)):
             part = logit_rows[lo:lo + per]
             sel = self._buf(f"sel{g}", (len(part),), "u32")
@@ -218,5 +220,9 @@ class VulkanModel:
             vk.embed(rec, Tensor((rows, n), "f32", h.parts), sel, hs, len(part))
             groups.append(self._buf(f"logits{g}", (len(part), cfg.vocab_size)))
             qw.gemv(rec, self.head, hs, groups[-1], len(part))
+            if greedy:
+                vk.argmax(rec, groups[-1], tokens, len(part), cfg.vocab_size, lo)
         rec.submit()
+        if greedy:
+            return dev.download(tokens).long()
         return torch.cat([dev.download(t) for t in groups])

@@ -35,15 +35,18 @@ def main():
     ap.add_argument("--check-cpu", type=int, default=8, help="greedy tokens compared (0: off)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens timed (0: off)")
     ap.add_argument("--memory-limit", type=float, default=None, help="--gpu-memory-limit GB")
+    ap.add_argument("--dtype", default="float32", help="float32 or float16 (dense weights)")
+    ap.add_argument("--greedy-head", action="store_true", help="tokens from the GPU's argmax")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    vk = LLM(args.model, device="vulkan", gpu_memory_limit_gb=args.memory_limit)
+    vk = LLM(args.model, device="vulkan", gpu_memory_limit_gb=args.memory_limit,
+             greedy_head=args.greedy_head, dtype=args.dtype)
     dev = vk.model.vulkan.dev
     rec = {"kind": "vulkan-decode", "git_commit": os.environ.get("DELTASERVE_GIT_COMMIT", ""),
-           "device": dev.name, "model": args.model, "dtype": "float32",
+           "device": dev.name, "model": args.model, "dtype": args.dtype,
            "gemv_lanes": dev.gemv_lanes, "tokens": args.tokens,
            "weights_gib": vk.model.vulkan.weights_bytes / 2**30,
-           "gpu_memory_limit_gb": args.memory_limit}
+           "gpu_memory_limit_gb": args.memory_limit, "greedy_head": args.greedy_head}
     ids, dt = timed(vk, [PROMPT], args.tokens)
     rec["b1_tok_s"] = args.tokens / dt  # prefill of the short prompt included
     _, dt = timed(vk, [PROMPT + f" {i}" for i in range(args.batch)], args.tokens)

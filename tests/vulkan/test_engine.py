@@ -131,3 +131,15 @@ def test_float16_weights_against_the_cpu_fp32_path(tiny_dir) -> None:
     err = ((got - want).norm() / want.norm()).item()
     assert 1e-6 < err < 1e-2  # rounded, not exact
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_greedy_head_tokens_from_the_gpu_argmax(tiny_dir) -> None:
+    """greedy_head: the tokens are the GPU's argmax (no logits read back), one prompt and
+    batched, through a chunk cut at its prefix snapshots; equal to the CPU fp32 path's."""
+    from deltaserve import LLM
+
+    cpu, vk = LLM(tiny_dir, dtype="float32"), LLM(tiny_dir, device="vulkan", greedy_head=True)
+    want = tokens(cpu, PROMPTS)
+    assert [tokens(vk, [p])[0] for p in PROMPTS] == want
+    assert tokens(vk, PROMPTS) == want
+    assert vk.engine.cache.prefix.nbytes > 0

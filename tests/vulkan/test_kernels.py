@@ -209,3 +209,17 @@ def test_uniforms_and_bind_groups_are_made_once_and_let_go_with_their_buffers(de
     buf = y.buffer
     dev.free(y)
     assert not [k for k in dev._groups if any(e[0] is buf for e in k[1])]
+
+
+def test_argmax_as_torch(dev) -> None:
+    """The greedy head's argmax: the first index of the maximum (ties), the first NaN of a row
+    holding one, a row of -inf, over a vocabulary that is no multiple of 256."""
+    x = torch.randn(6, 1001)
+    x[1, 7] = x[1, 900] = x[1].max() + 1  # a tie: the first
+    x[2, 500], x[2, 600] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    x[4, 1000] = float("inf")
+    x[5, :] = 0.5
+    xt, out = dev.upload(x), dev.empty((8,), "u32")
+    run(dev, lambda rec: kernels.argmax(rec, xt, out, 6, 1001, out_off=2))
+    assert dev.download(out)[2:].long().tolist() == x.argmax(-1).tolist()
