@@ -74,8 +74,13 @@ class LLM:
                 f"max_model_len must be in 1..{limit} for this model, got {args.max_model_len}"
             )
         self.max_model_len = args.max_model_len or limit
+        vision = self.raw_config["model_type"] in VISION_MODEL_TYPES
         self.images = load_image_prompts(self, args.image_limits) if (
-            self.raw_config["model_type"] in VISION_MODEL_TYPES) else None
+            vision and not vulkan) else None
+        self.no_images_reason = (  # why an image request is refused
+            "--device vulkan does not run the vision tower yet: images are refused (text runs)"
+            if vision and vulkan else f"this model ({self.raw_config['model_type']}) takes no "
+            "images")
         self.generation_config = self._generation_config()
         self._engine: Engine | None = None
 
@@ -149,7 +154,7 @@ class LLM:
         if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
             return (*self.encode_prompt(prompt), None)
         if self.images is None:
-            raise RequestError(f"this model ({self.raw_config['model_type']}) takes no images")
+            raise RequestError(self.no_images_reason)
         data = prompt["multi_modal_data"]
         images = data.get("image") if isinstance(data, dict) else None
         if images is None:

@@ -17,8 +17,7 @@ from deltaserve.server.errors import ApiError, context_overflow
 def check_image_parts(llm, sources: list) -> None:
     """Refusals that need no decoding: a text-only model, too many images, a full queue."""
     if llm.images is None:
-        raise ApiError(400, f"messages: this model ({llm.raw_config['model_type']}) takes no "
-                       "images", param="messages")
+        raise ApiError(400, f"messages: {llm.no_images_reason}", param="messages")
     for source in sources:  # never a path on the server's disk, never a fetch
         if not (isinstance(source, str) and source.startswith("data:")):
             shown = source[:40] + "..." if isinstance(source, str) and len(source) > 40 else source

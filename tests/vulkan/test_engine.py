@@ -143,3 +143,20 @@ def test_greedy_head_tokens_from_the_gpu_argmax(tiny_dir) -> None:
     assert [tokens(vk, [p])[0] for p in PROMPTS] == want
     assert tokens(vk, PROMPTS) == want
     assert vk.engine.cache.prefix.nbytes > 0
+
+
+def test_minicpm_v_on_vulkan_runs_text_and_refuses_images(tmp_path) -> None:
+    """The vision tower does not run on --device vulkan: an image request is refused with the
+    reason (not a failed step), and the same engine goes on with text."""
+    from deltaserve import LLM
+    from deltaserve.checkpoint.presets import preset
+    from deltaserve.checkpoint.writer import write_checkpoint
+    from deltaserve.errors import RequestError
+
+    write_checkpoint(preset("minicpm-v-tiny"), tmp_path, 0)
+    cpu, vk = LLM(tmp_path, dtype="float32"), LLM(tmp_path, device="vulkan")
+    image = {"prompt": "(<image>./</image>) what is it?",
+             "multi_modal_data": {"image": "data:image/png;base64,AAAA"}}
+    with pytest.raises(RequestError, match="vision tower"):
+        vk.generate(image)
+    assert tokens(vk, PROMPTS[:1], n=3) == tokens(cpu, PROMPTS[:1], n=3)
