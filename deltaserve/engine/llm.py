@@ -21,7 +21,7 @@ from deltaserve.engine.request import ImageInputs
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import SchedulerConfig
 from deltaserve.env import env
-from deltaserve.errors import CapacityError, RequestError
+from deltaserve.errors import CapacityError, ConfigError, RequestError
 from deltaserve.multimodal.config import VISION_MODEL_TYPES
 from deltaserve.multimodal.inputs import ImageLimits
 from deltaserve.tokenizer import Tokenizer
@@ -73,6 +73,13 @@ class LLM:
             raise RequestError(
                 f"max_model_len must be in 1..{limit} for this model, got {args.max_model_len}"
             )
+        vk_limit = self.model.vulkan.max_context() if vulkan else None
+        if vk_limit is not None and vk_limit < limit:
+            if args.max_model_len is not None and args.max_model_len > vk_limit:
+                raise ConfigError(f"--device vulkan on {self.model.vulkan.dev.name} runs "
+                                  f"contexts up to {vk_limit} tokens (llvmpipe's loop limit); "
+                                  f"--max-model-len {args.max_model_len} is over it")
+            limit = vk_limit
         self.max_model_len = args.max_model_len or limit
         vision = self.raw_config["model_type"] in VISION_MODEL_TYPES
         self.images = load_image_prompts(self, args.image_limits) if (

@@ -89,6 +89,8 @@ class VulkanDevice:
         # GEMV lanes per output row (vulkan/weights.py): a warp's worth on GPUs; few on CPU
         # adapters (lavapipe runs a workgroup as a loop: fewer, fuller workgroups run fast)
         self.gemv_lanes = 4 if adapter.info["adapter_type"] == "CPU" else 32
+        # llvmpipe (lavapipe) ends a loop after 65,535 iterations, nested ones counted in
+        self.loop_limited = "llvmpipe" in str(adapter.info["device"]).lower()
         self.device = adapter.request_device_sync(required_limits={
             "max-storage-buffer-binding-size": self.max_binding,
             "max-buffer-size": self.max_buffer,

@@ -47,7 +47,7 @@ def _pow2(n: int) -> int:
 
 
 CONV = """
-struct P {{ proj: u32 }};
+struct P {{ proj: u32, j0: u32, j1: u32 }};
 @group(0) @binding(0) var<storage, read> proj: array<f32>;
 @group(0) @binding(1) var<storage, read> cw: array<f32>;
 @group(0) @binding(2) var<storage, read_write> win: array<f32>;
@@ -65,7 +65,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) g:
   let row0 = seqs[sq * 4u + 1u];
   let n = seqs[sq * 4u + 2u];
   let wb = (slot * C + c) * (W - 1u);
-  for (var j = 0u; j < n; j++) {{
+  for (var j = p.j0; j < min(n, p.j1); j++) {{
     let r = row0 + j;
     let x = proj[r * p.proj + c];
     var acc = 0.0;
@@ -79,18 +79,31 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) g:
 """
 
 
+def _row_spans(max_rows: int, per_row: int):
+    """Row ranges [j0, j1) walked one dispatch each: llvmpipe (lavapipe) ends any loop after
+    65,535 iterations counted with its nested non-unrolled loops (a 64-dim GDN head broke after
+    431 rows), so a dispatch walks at most LOOP_BUDGET // per_row rows; on other drivers the
+    split costs a dispatch per few hundred rows."""
+    step = max(1, LOOP_BUDGET // per_row)
+    return [(j0, j0 + step) for j0 in range(0, max(max_rows, 1), step)]
+
+
+LOOP_BUDGET = 60_000
+
+
 def gdn_conv(rec: Recorder, s: MixerShape, proj: Tensor, conv_w: Tensor, window: Tensor,
-             out: Tensor, seqs: Tensor, nseq: int) -> None:
+             out: Tensor, seqs: Tensor, nseq: int, max_rows: int) -> None:
     """out [R, C] = silu(causal conv of each sequence's rows over its slot's window [S, C, W-1]),
-    the window advanced in place."""
+    the window advanced in place. max_rows: the longest sequence's rows in the step."""
     code = CONV.format(C=s.conv_dim, W=s.width)
     pipe = rec.dev.pipeline(f"gdn_conv/{s.conv_dim}/{s.width}", code)
-    rec.dispatch(pipe, [proj.buffer, conv_w.buffer, window.buffer, out.buffer, seqs.buffer,
-                        rec.dev.uniform(s.gdn_proj)], (-(-s.conv_dim // 64), nseq, 1))
+    for j0, j1 in _row_spans(max_rows, 2 * s.width):
+        rec.dispatch(pipe, [proj.buffer, conv_w.buffer, window.buffer, out.buffer, seqs.buffer,
+                            rec.dev.uniform(s.gdn_proj, j0, j1)], (-(-s.conv_dim // 64), nseq, 1))
 
 
 DELTA = """
-struct P {{ proj: u32, eps: f32 }};
+struct P {{ proj: u32, eps: f32, j0: u32, j1: u32 }};
 @group(0) @binding(0) var<storage, read> proj: array<f32>;
 @group(0) @binding(1) var<storage, read> conv: array<f32>;
 @group(0) @binding(2) var<storage, read> params: array<f32>;
@@ -118,7 +131,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
   // params: A_log [HV] | dt_bias [HV] | norm weight [V]
   let a_log = params[hv];
   let dt_bias = params[HV + hv];
-  for (var j = 0u; j < n; j++) {{
+  for (var j = p.j0; j < min(n, p.j1); j++) {{
     let r = row0 + j;
     var q = 0.0;
     var k = 0.0;
@@ -166,16 +179,21 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
 
 
 def gdn_delta(rec: Recorder, s: MixerShape, proj: Tensor, conv: Tensor, params: Tensor,
-              state: Tensor, out: Tensor, seqs: Tensor, nseq: int, eps: float) -> None:
+              state: Tensor, out: Tensor, seqs: Tensor, nseq: int, eps: float, max_rows: int
+              ) -> None:
     """The delta rule per value head over each sequence's rows (ops.gdn.gdn_step with q/k l2norms
     and the gates of ops.gdn.gdn_gates), then the gated RMSNorm: out [R, HV*V]. params: A_log,
-    dt_bias, the norm weight, concatenated; state [S, HV, K, V] updated in place."""
+    dt_bias, the norm weight, concatenated; state [S, HV, K, V] updated in place. max_rows: the
+    longest sequence's rows in the step."""
     wg = _pow2(max(s.k, s.v, 32))
     code = DELTA.format(HK=s.hk, HV=s.hv, K=s.k, V=s.v, C=s.conv_dim, WG=wg,
                         REDUCE=reduce_fns(wg))
     pipe = rec.dev.pipeline(f"gdn_delta/{s.hk}/{s.hv}/{s.k}/{s.v}", code)
-    rec.dispatch(pipe, [proj.buffer, conv.buffer, params.buffer, state.buffer, out.buffer,
-                        seqs.buffer, rec.dev.uniform(s.gdn_proj, float(eps))], (s.hv, nseq, 1))
+    per_row = 2 * max(s.k, 1) + 4 * wg.bit_length() + 16  # the K loops and the reductions'
+    for j0, j1 in _row_spans(max_rows, per_row):
+        rec.dispatch(pipe, [proj.buffer, conv.buffer, params.buffer, state.buffer, out.buffer,
+                            seqs.buffer, rec.dev.uniform(s.gdn_proj, float(eps), j0, j1)],
+                     (s.hv, nseq, 1))
 
 
 QK_PREP = """

@@ -139,6 +139,16 @@ class VulkanModel:
         out["width"] = width
         return out
 
+    def max_context(self) -> int | None:
+        """The longest context the attention kernel walks correctly on this driver (None: no
+        limit): on llvmpipe its key-tile loop, nested loops counted, stays within the loop
+        limit (mixers.LOOP_BUDGET)."""
+        if not self.dev.loop_limited:
+            return None
+        s = self.shape
+        per_tile = s.d + 256 * -(-s.d // 256) + 48
+        return mixers.LOOP_BUDGET // per_tile * 256
+
     def max_rows(self) -> int:
         """The most rows one submission holds: its widest activation row within one storage
         binding (a longer step runs in pieces, each chunk's rows in order)."""
@@ -195,10 +205,11 @@ class VulkanModel:
                 o = self._buf("go", (rows, s.hv * s.v))
                 qw.gemv(rec, w["qkv"], h, proj, rows)
                 conv = self._buf("conv", (rows, s.conv_dim))
+                longest = max(c.num_tokens for c in chunks)
                 mixers.gdn_conv(rec, s, proj, w["conv"], pools.states.conv[i], conv,
-                                inp["seqs"], len(chunks))
+                                inp["seqs"], len(chunks), longest)
                 mixers.gdn_delta(rec, s, proj, conv, w["params"], pools.states.recurrent[i], o,
-                                 inp["seqs"], len(chunks), cfg.rms_norm_eps)
+                                 inp["seqs"], len(chunks), cfg.rms_norm_eps, longest)
             qw.gemv(rec, w["out"], o, mixed, rows)
             vk.rms_norm(rec, mixed, w["post_norm"], h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
             inter = cfg.intermediate_size
@@ -208,7 +219,13 @@ class VulkanModel:
             qw.gemv(rec, w["down"], act, mixed, rows)
             norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
             vk.rms_norm(rec, mixed, norm, h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
-        # the head in groups of rows whose logits fit one binding each
+        return self._head(rec, h, rows, logit_rows, greedy)
+
+    def _head(self, rec, h: Tensor, rows: int, logit_rows: list[int], greedy: bool
+              ) -> torch.Tensor:
+        """The head on `logit_rows` of h, in groups of rows whose logits fit one binding each;
+        submits the step and reads back the logits, or their argmax where `greedy`."""
+        cfg, dev, n = self.cfg, self.dev, self.cfg.hidden_size
         per = max(1, self.dev.max_binding // (4 * cfg.vocab_size))
         groups = []
         tokens = self._buf("tokens", (len(logit_rows),), "u32") if greedy else None

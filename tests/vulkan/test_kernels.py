@@ -79,9 +79,9 @@ def test_gdn_conv_and_delta_rule_walk_each_sequence_in_order(dev) -> None:
     conv, out = dev.empty((6, s.conv_dim)), dev.empty((6, s.hv * s.v))
 
     def step(rec):
-        mixers.gdn_conv(rec, s, t["proj"], t["conv_w"], t["window"], conv, t["seqs"], 2)
+        mixers.gdn_conv(rec, s, t["proj"], t["conv_w"], t["window"], conv, t["seqs"], 2, 5)
         mixers.gdn_delta(rec, s, t["proj"], conv, t["params"], t["state"], out, t["seqs"], 2,
-                         1e-6)
+                         1e-6, 5)
     run(dev, step)
     ref_window, ref_state, want = window.clone(), state.clone(), torch.empty(6, s.hv * s.v)
     c, z = s.conv_dim, s.hv * s.v
@@ -96,6 +96,40 @@ def test_gdn_conv_and_delta_rule_walk_each_sequence_in_order(dev) -> None:
     assert rel(dev.download(t["state"]), ref_state) < 1e-5
     assert torch.equal(dev.download(t["window"]), ref_window)
 
+
+def test_gdn_walks_a_chunk_longer_than_one_dispatch(dev) -> None:
+    """A 700-row chunk with 64-dim heads: llvmpipe ended the row loop after 431 rows (its loop
+    limit), so the rows go in spans of one dispatch each; against the decode reference."""
+    from dataclasses import replace
+
+    s, n = replace(SHAPE, hk=2, hv=2, k=64, v=64), 700
+    gen = torch.Generator().manual_seed(2)
+    proj = torch.randn(n, s.gdn_proj, generator=gen)
+    conv_w = torch.randn(s.conv_dim, s.width, generator=gen) * 0.5
+    a_log, dt_bias = torch.randn(s.hv, generator=gen) * 0.3, torch.randn(s.hv, generator=gen)
+    norm_w = torch.randn(s.v, generator=gen) * 0.2 + 1
+    window = torch.randn(1, s.conv_dim, s.width - 1, generator=gen)
+    state = torch.randn(1, s.hv, s.k, s.v, generator=gen) * 0.1
+    t = {name: dev.upload(v) for name, v in dict(
+        proj=proj, conv_w=conv_w, window=window, state=state,
+        seqs=torch.tensor([[0, 0, n, 0]], dtype=torch.int32),
+        params=torch.cat([a_log, dt_bias, norm_w])).items()}
+    conv, out = dev.empty((n, s.conv_dim)), dev.empty((n, s.hv * s.v))
+    assert len(mixers._row_spans(n, 2 * s.k + 4 * 7 + 16)) > 1
+
+    def step(rec):
+        mixers.gdn_conv(rec, s, t["proj"], t["conv_w"], t["window"], conv, t["seqs"], 1, n)
+        mixers.gdn_delta(rec, s, t["proj"], conv, t["params"], t["state"], out, t["seqs"], 1,
+                         1e-6, n)
+    run(dev, step)
+    c, z = s.conv_dim, s.hv * s.v
+    want = torch.cat([gdn_decode_slots_ref(
+        row[:, :c], row[:, c:c + z], row[:, c + z:c + z + s.hv], row[:, c + z + s.hv:], window,
+        conv_w, a_log, dt_bias, state, torch.tensor([0]), norm_w, 1e-6, s.hk)
+        for row in proj.split(1)])
+    err = (dev.download(out) - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 1e-4, f"first bad row {int((err >= 1e-4).nonzero()[0])}"
+    assert rel(dev.download(t["state"]), state) < 1e-5
 
 @pytest.mark.parametrize("case", ["short", "long"])
 def test_attention_over_paged_blocks(dev, case) -> None:
