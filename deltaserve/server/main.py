@@ -67,6 +67,13 @@ def check_device(device: str) -> None:
     loads."""
     import torch
 
+    if device == "vulkan":
+        from deltaserve.vulkan.device import adapter_or_reason
+
+        adapter, why = adapter_or_reason()
+        if adapter is None:
+            raise ConfigError(f"--device vulkan: {why}")
+        return
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
@@ -74,7 +81,7 @@ def check_device(device: str) -> None:
     if dev.type == "cpu":
         return
     if dev.type != "cuda":
-        raise ConfigError(f"--device {device}: only cpu and cuda devices are supported")
+        raise ConfigError(f"--device {device}: only cpu, cuda and vulkan devices are supported")
     if not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: this machine has no usable CUDA GPU (torch "
                           f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")

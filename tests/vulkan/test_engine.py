@@ -160,3 +160,13 @@ def test_minicpm_v_on_vulkan_runs_text_and_refuses_images(tmp_path) -> None:
     with pytest.raises(RequestError, match="vision tower"):
         vk.generate(image)
     assert tokens(vk, PROMPTS[:1], n=3) == tokens(cpu, PROMPTS[:1], n=3)
+
+
+def test_serve_takes_device_vulkan() -> None:
+    """`deltaserve serve --device vulkan` passes the server's device check (it refused it as a
+    torch device type before); the other device checks stand."""
+    from deltaserve.server.main import check_device
+
+    check_device("vulkan")
+    with pytest.raises(ConfigError, match="cpu, cuda and vulkan"):
+        check_device("mps")
