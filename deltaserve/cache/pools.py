@@ -114,11 +114,15 @@ class KVPool:
         for b in blocks:
             self.refs[b] = 1
         if blocks:
-            index = torch.tensor(blocks, device=self.device)
-            for t in (*self.k, *self.v):
-                if t is not None:
-                    t.index_fill_(0, index, 0)
+            self._zero(blocks)
         return blocks
+
+    def _zero(self, blocks: list[int]) -> None:
+        """Fresh blocks hold zeros, never an earlier sequence's K/V."""
+        index = torch.tensor(blocks, device=self.device)
+        for t in (*self.k, *self.v):
+            if t is not None:
+                t.index_fill_(0, index, 0)
 
 
     def incref(self, blocks: list[int]) -> None:

@@ -69,16 +69,11 @@ class VulkanKVPool(KVPool):
         self.refs = [0] * sizes.num_blocks
         self._free = list(range(sizes.num_blocks - 1, -1, -1))
 
-    def allocate(self, count: int) -> list[int] | None:
-        if count > len(self._free):
-            return None
-        blocks = [self._free.pop() for _ in range(count)]
+    def _zero(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.refs[b] = 1
             for t in (*self.k, *self.v):
                 if t is not None:
                     self.dev.write(t, np.zeros(_row_bytes(t) // 4, np.float32), b * _row_bytes(t))
-        return blocks
 
     def bytes_per_block(self) -> int:
         return sum(2 * _row_bytes(k) for k in self.k if k is not None)
