@@ -199,10 +199,11 @@ class VulkanDevice:
         t.parts = []
 
     # -- pipelines and submission -----------------------------------------------------------
-    def pipeline(self, name: str, code: str):
-        """The compute pipeline of a WGSL shader (entry point `main`), built once per name."""
+    def pipeline(self, name: str, code):
+        """The compute pipeline of a WGSL shader (entry point `main`), built once per name; code:
+        the source, or a function giving it (so a step does not format sources it has built)."""
         if name not in self._pipelines:
-            module = self.device.create_shader_module(code=code)
+            module = self.device.create_shader_module(code=code() if callable(code) else code)
             self._pipelines[name] = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})
         return self._pipelines[name]

@@ -95,7 +95,9 @@ def gdn_conv(rec: Recorder, s: MixerShape, proj: Tensor, conv_w: Tensor, window:
              out: Tensor, seqs: Tensor, nseq: int, max_rows: int) -> None:
     """out [R, C] = silu(causal conv of each sequence's rows over its slot's window [S, C, W-1]),
     the window advanced in place. max_rows: the longest sequence's rows in the step."""
-    code = CONV.format(C=s.conv_dim, W=s.width)
+    def code() -> str:  # formatted only when the pipeline is first built
+        return CONV.format(
+            C=s.conv_dim, W=s.width)
     pipe = rec.dev.pipeline(f"gdn_conv/{s.conv_dim}/{s.width}", code)
     for j0, j1 in _row_spans(max_rows, 2 * s.width):
         rec.dispatch(pipe, [proj.buffer, conv_w.buffer, window.buffer, out.buffer, seqs.buffer,
@@ -186,8 +188,9 @@ def gdn_delta(rec: Recorder, s: MixerShape, proj: Tensor, conv: Tensor, params: 
     dt_bias, the norm weight, concatenated; state [S, HV, K, V] updated in place. max_rows: the
     longest sequence's rows in the step."""
     wg = _pow2(max(s.k, s.v, 32))
-    code = DELTA.format(HK=s.hk, HV=s.hv, K=s.k, V=s.v, C=s.conv_dim, WG=wg,
-                        REDUCE=reduce_fns(wg))
+    def code() -> str:  # formatted only when the pipeline is first built
+        return DELTA.format(
+            HK=s.hk, HV=s.hv, K=s.k, V=s.v, C=s.conv_dim, WG=wg, REDUCE=reduce_fns(wg))
     pipe = rec.dev.pipeline(f"gdn_delta/{s.hk}/{s.hv}/{s.k}/{s.v}", code)
     per_row = 2 * max(s.k, 1) + 4 * wg.bit_length() + 16  # the K loops and the reductions'
     for j0, j1 in _row_spans(max_rows, per_row):
@@ -257,8 +260,10 @@ def qk_prep(rec: Recorder, s: MixerShape, proj: Tensor, norms: Tensor, rope: Ten
     cos then sin), q into q_out [R, HQ, D], k and v into the pools [NB, HKV, L, D] at each row's
     position through its block table (tables [R, max_blocks])."""
     wg = min(256, _pow2(max(s.d, 32)))
-    code = QK_PREP.format(HQ=s.hq, HKV=s.hkv, D=s.d, ROT=s.rot, L=s.block_len, PW=s.attn_proj,
-                          WG=wg, REDUCE=reduce_fns(wg))
+    def code() -> str:  # formatted only when the pipeline is first built
+        return QK_PREP.format(
+            HQ=s.hq, HKV=s.hkv, D=s.d, ROT=s.rot, L=s.block_len, PW=s.attn_proj, WG=wg,
+            REDUCE=reduce_fns(wg))
     pipe = rec.dev.pipeline(f"qk_prep/{s.hq}/{s.hkv}/{s.d}/{s.rot}/{s.block_len}", code)
     rec.dispatch(pipe, [proj.buffer, norms.buffer, rope.buffer, positions.buffer, q_out.buffer,
                         k_pool.buffer, v_pool.buffer, tables.buffer,
@@ -340,8 +345,10 @@ def attend(rec: Recorder, s: MixerShape, q: Tensor, proj: Tensor, k_pool: Tensor
     """Causal softmax attention of each row over its sequence's positions 0..pos (GQA), times
     sigmoid(gate): out [R, HQ*D]. Keys in tiles of 256 with a running max and sum (online
     softmax), so no scores array grows with the context."""
-    code = ATTEND.format(HQ=s.hq, HKV=s.hkv, D=s.d, L=s.block_len, PW=s.attn_proj,
-                         DPT=-(-s.d // 256), REDUCE=reduce_fns(256))
+    def code() -> str:  # formatted only when the pipeline is first built
+        return ATTEND.format(
+            HQ=s.hq, HKV=s.hkv, D=s.d, L=s.block_len, PW=s.attn_proj, DPT=-(-s.d // 256),
+            REDUCE=reduce_fns(256))
     pipe = rec.dev.pipeline(f"attend/{s.hq}/{s.hkv}/{s.d}/{s.block_len}", code)
     rec.dispatch(pipe, [q.buffer, proj.buffer, k_pool.buffer, v_pool.buffer, positions.buffer,
                         tables.buffer, out.buffer, rec.dev.uniform(max_blocks, float(s.d ** -0.5))],

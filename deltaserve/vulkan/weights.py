@@ -12,6 +12,7 @@ Reference: quant.schemes.dequantize, then F.linear / F.embedding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -233,7 +234,7 @@ _KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3, "f16": 4}
 def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0):
     kind = _KIND_ID[w.kind]
     return dev.pipeline(f"{name}/{w.kind}/{lanes}",
-                        src.format(KIND=kind, PER=PER_WORD[w.kind], LPR=lanes))
+                        partial(src.format, KIND=kind, PER=PER_WORD[w.kind], LPR=lanes))
 
 
 def _parts(w: Weight):
