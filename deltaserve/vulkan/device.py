@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,7 +91,8 @@ class VulkanDevice:
         self.gemv_lanes = 4 if adapter.info["adapter_type"] == "CPU" else 32
         # llvmpipe (lavapipe) ends a loop after 65,535 iterations, nested ones counted in
         self.loop_limited = "llvmpipe" in str(adapter.info["device"]).lower()
-        self.device = adapter.request_device_sync(required_limits={
+        wanted = [f for f in ("timestamp-query",) if f in self.features]
+        self.device = adapter.request_device_sync(required_features=wanted, required_limits={
             "max-storage-buffer-binding-size": self.max_binding,
             "max-buffer-size": self.max_buffer,
             "max-storage-buffers-per-shader-stage":
@@ -99,6 +100,8 @@ class VulkanDevice:
         self.memory_limit = memory_limit
         self.allocated = 0
         self._pipelines: dict[str, object] = {}
+        self._names: dict[int, str] = {}  # id(pipeline) -> its name, for the profile's labels
+        self.profiler: Profiler | None = None
         # decode steps bind the same buffers with the same scalars step after step: their bind
         # groups and uniform buffers are made once (creating them cost ~0.2 ms a dispatch)
         self._uniforms: OrderedDict[tuple, object] = OrderedDict()
@@ -204,8 +207,10 @@ class VulkanDevice:
         the source, or a function giving it (so a step does not format sources it has built)."""
         if name not in self._pipelines:
             module = self.device.create_shader_module(code=code() if callable(code) else code)
-            self._pipelines[name] = self.device.create_compute_pipeline(
+            pipe = self.device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main"})
+            self._pipelines[name] = pipe
+            self._names[id(pipe)] = name
         return self._pipelines[name]
 
     def uniform(self, *values: int | float) -> object:
@@ -239,15 +244,74 @@ class VulkanDevice:
     def recorder(self) -> Recorder:
         return Recorder(self)
 
+    def profile(self, on: bool = True) -> dict[str, dict[str, float]] | None:
+        """Starts timing every dispatch on the GPU (on), or stops and returns the totals per
+        label (`section:kernel`, e.g. "gdn:qgemv"): {"ms", "dispatches"}, plus "steps" (the
+        submissions timed) under "_". Needs the adapter's timestamp queries."""
+        if on:
+            if "timestamp-query" not in self.features:
+                raise ConfigError(f"{self.name} has no timestamp queries to profile with")
+            self.profiler = Profiler(self)
+            return None
+        prof, self.profiler = self.profiler, None
+        return prof.report() if prof is not None else {}
+
+
+class Profiler:
+    """GPU time per dispatch from timestamp queries: in a profiled step every dispatch is its own
+    compute pass with begin / end timestamps (the passes' boundaries add a little time of their
+    own). Timestamps are taken as nanoseconds (a period of 1 ns, as NVIDIA's and Mesa's
+    drivers report)."""
+
+    CAPACITY = 4096  # queries per step; dispatches past CAPACITY / 2 run untimed, counted
+
+    def __init__(self, dev: VulkanDevice) -> None:
+        self.dev = dev
+        self.queries = dev.device.create_query_set(type="timestamp", count=self.CAPACITY)
+        self.resolved = dev.device.create_buffer(
+            size=self.CAPACITY * 8,
+            usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        self.ns: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.steps = 0
+
+    def writes(self, index: int) -> dict:
+        return {"query_set": self.queries, "beginning_of_pass_write_index": 2 * index,
+                "end_of_pass_write_index": 2 * index + 1}
+
+    def collect(self, labels: list[str]) -> None:
+        """The submitted step's timestamps read back and added to its labels' totals."""
+        n = min(len(labels), self.CAPACITY // 2)
+        if n:
+            stamps = np.frombuffer(self.dev.device.queue.read_buffer(self.resolved, 0, 16 * n),
+                                   np.uint64).astype(np.int64).reshape(n, 2)
+            for label, (t0, t1) in zip(labels[:n], stamps, strict=True):
+                self.ns[label] += max(0, int(t1 - t0))
+                self.count[label] += 1
+        if len(labels) > n:
+            self.count["untimed"] += len(labels) - n
+        self.steps += 1
+
+    def report(self) -> dict[str, dict[str, float]]:
+        out = {k: {"ms": self.ns[k] / 1e6, "dispatches": self.count[k]}
+               for k in sorted(self.count, key=lambda k: -self.ns.get(k, 0))}
+        out["_"] = {"steps": self.steps, "ms": sum(self.ns.values()) / 1e6,
+                    "dispatches": sum(self.count.values())}
+        return out
+
 
 class Recorder:
-    """Dispatches recorded into one compute pass; submit() sends them as one command buffer."""
+    """Dispatches recorded into one compute pass; submit() sends them as one command buffer.
+    `section` names the part of the model being recorded (the profile's labels)."""
 
     def __init__(self, dev: VulkanDevice) -> None:
         self.dev = dev
         self.encoder = dev.device.create_command_encoder()
-        self.cpass = self.encoder.begin_compute_pass()
+        self.prof = dev.profiler
+        self.labels: list[str] = []
+        self.cpass = None if self.prof is not None else self.encoder.begin_compute_pass()
         self.dispatches = 0
+        self.section = ""
 
     def dispatch(self, pipeline, buffers: list, groups: tuple[int, int, int]) -> None:
         """buffers: a list of (buffer, offset_bytes, size_bytes) or whole buffers, bound 0..n-1."""
@@ -256,14 +320,30 @@ class Recorder:
         if max(gx, gy, gz) > self.dev.max_groups:
             raise ValueError(f"dispatch of {groups} workgroups exceeds the adapter's "
                              f"{self.dev.max_groups} per dimension")
-        self.cpass.set_pipeline(pipeline)
-        self.cpass.set_bind_group(0, group)
-        self.cpass.dispatch_workgroups(gx, gy, gz)
+        cpass = self.cpass
+        if self.prof is not None:
+            i = len(self.labels)
+            self.labels.append(f"{self.section}:{self.dev._names.get(id(pipeline), '?')}"
+                               .split("/")[0])
+            cpass = self.encoder.begin_compute_pass(
+                timestamp_writes=self.prof.writes(i) if i < self.prof.CAPACITY // 2 else None)
+        cpass.set_pipeline(pipeline)
+        cpass.set_bind_group(0, group)
+        cpass.dispatch_workgroups(gx, gy, gz)
+        if self.prof is not None:
+            cpass.end()
         self.dispatches += 1
 
     def submit(self) -> None:
-        self.cpass.end()
+        if self.prof is None:
+            self.cpass.end()
+        else:
+            n = min(len(self.labels), self.prof.CAPACITY // 2)
+            if n:
+                self.encoder.resolve_query_set(self.prof.queries, 0, 2 * n, self.prof.resolved, 0)
         self.dev.device.queue.submit([self.encoder.finish()])
+        if self.prof is not None:
+            self.prof.collect(self.labels)
 
 
 CACHE_ENTRIES = 4096  # uniform buffers and bind groups kept (least recently used go first)

@@ -187,9 +187,11 @@ class VulkanModel:
         x, h = self._buf("x", (rows, n)), self._buf("h", (rows, n))
         mixed = self._buf("mixed", (rows, n))
         rec = dev.recorder()
+        rec.section = "embed"
         qw.embed(rec, self.embed, inp["ids"], x, rows)
         vk.rms_norm(rec, x, self.layers[0]["in_norm"], h, rows, n, cfg.rms_norm_eps, 1.0)
         for i, w in enumerate(self.layers):
+            rec.section = "attn" if cfg.layer_types[i] == FULL else "gdn"
             if cfg.layer_types[i] == FULL:
                 proj = self._buf("aproj", (rows, s.attn_proj))
                 o = self._buf("ao", (rows, s.hq * s.d))
@@ -211,6 +213,7 @@ class VulkanModel:
                 mixers.gdn_delta(rec, s, proj, conv, w["params"], pools.states.recurrent[i], o,
                                  inp["seqs"], len(chunks), cfg.rms_norm_eps, longest)
             qw.gemv(rec, w["out"], o, mixed, rows)
+            rec.section = "mlp"
             vk.rms_norm(rec, mixed, w["post_norm"], h, rows, n, cfg.rms_norm_eps, 1.0, residual=x)
             inter = cfg.intermediate_size
             gu, act = self._buf("gu", (rows, 2 * inter)), self._buf("act", (rows, inter))
@@ -228,6 +231,7 @@ class VulkanModel:
         cfg, dev, n = self.cfg, self.dev, self.cfg.hidden_size
         per = max(1, self.dev.max_binding // (4 * cfg.vocab_size))
         groups = []
+        rec.section = "head"
         tokens = self._buf("tokens", (len(logit_rows),), "u32") if greedy else None
         for g, lo in enumerate(range(0, len(logit_rows), per)):
             part = logit_rows[lo:lo + per]

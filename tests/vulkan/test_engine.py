@@ -170,3 +170,26 @@ def test_serve_takes_device_vulkan() -> None:
     check_device("vulkan")
     with pytest.raises(ConfigError, match="cpu, cuda and vulkan"):
         check_device("mps")
+
+
+def test_the_profile_times_every_dispatch_without_changing_the_tokens(tiny_dir) -> None:
+    """dev.profile: each dispatch its own timed pass, labelled `section:kernel`; the tokens are
+    the unprofiled ones and every dispatch of the steps is counted."""
+    from deltaserve import LLM
+
+    vk = LLM(tiny_dir, device="vulkan")
+    dev = vk.model.vulkan.dev
+    if "timestamp-query" not in dev.features:
+        pytest.skip(f"{dev.name} has no timestamp queries")
+    want = tokens(vk, PROMPTS[:1])
+    dev.profile(True)
+    assert tokens(vk, PROMPTS[:1]) == want
+    rep = dev.profile(False)
+    assert dev.profiler is None and rep["_"]["steps"] == 6  # a prefill and five decode steps
+    layers = vk.model.cfg.num_hidden_layers
+    gdn = sum(t != "full_attention" for t in vk.model.cfg.layer_types)
+    assert rep["gdn:gdn_delta"]["dispatches"] == 6 * gdn
+    assert rep["attn:attend"]["dispatches"] == 6 * (layers - gdn)
+    assert rep["head:qgemv"]["dispatches"] >= 6
+    assert all(v["ms"] >= 0 for v in rep.values()) and rep["_"]["ms"] > 0
+    assert sum(v["dispatches"] for k, v in rep.items() if k != "_") == rep["_"]["dispatches"]
