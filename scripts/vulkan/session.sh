@@ -6,9 +6,12 @@
 #   SIZE 0.8b or 2b (a synthetic checkpoint of that preset, seed 0); FORMATS of ours: f32 f16
 #   int8 int4 (comma-separated); TYPES of llama.cpp: f16 q8_0 q4_0.
 # Carry: .gl (the Vulkan loader and GL/EGL debs: the device image has NVIDIA's ICD but no loader),
-# .whl (wgpu and the engine's other wheels for Python 3.12), .llvk (llama.cpp built with
-# GGML_VULKAN here: llama-bench, llama-batched-bench, llama-quantize, convert_hf_to_gguf.py with
-# gguf-py and conversion/). BATCHES (default 1,32,128), PREFILL (512,2048), TOKENS (64).
+# .whl (wgpu and the engine's other wheels for Python 3.12), .llvk (llama.cpp 0c1e570 from the
+# llama-cpp-python 0.3.36 sdist, built here with -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF and
+# Debian trixie's glslc 2025.2 / Vulkan headers 1.4.309 (bookworm's glslc lacks cooperative
+# matrices and integer dot products): bin.tar.xz of llama-bench, llama-batched-bench and
+# llama-quantize, stripped; lib/ their OpenSSL and libgomp; convert_hf_to_gguf.py, gguf-py and
+# conversion/ of the same source). BATCHES (default 1,32,128), PREFILL (512,2048), TOKENS (64).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -48,6 +51,8 @@ ours() {  # ours:SIZE:FORMATS
 
 peer() {  # peer:SIZE:TYPES
     local size=$1 d=/tmp/ck-$1 L=$PWD/.llvk
+    [ -x $L/llama-bench ] || tar xJf $L/bin.tar.xz -C $L
+    export LD_LIBRARY_PATH=$L/lib  # the build machine's OpenSSL and libgomp beside the binaries
     ckpt "$size"
     for t in ${2//,/ }; do
         local g=/tmp/$size-$t.gguf
