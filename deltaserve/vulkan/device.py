@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -274,6 +275,7 @@ class Profiler:
         self.ns: dict[str, float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
         self.steps = 0
+        self.encode_s = self.wait_s = 0.0  # host time recording the steps, and waiting on them
 
     def writes(self, index: int) -> dict:
         return {"query_set": self.queries, "beginning_of_pass_write_index": 2 * index,
@@ -296,7 +298,8 @@ class Profiler:
         out = {k: {"ms": self.ns[k] / 1e6, "dispatches": self.count[k]}
                for k in sorted(self.count, key=lambda k: -self.ns.get(k, 0))}
         out["_"] = {"steps": self.steps, "ms": sum(self.ns.values()) / 1e6,
-                    "dispatches": sum(self.count.values())}
+                    "dispatches": sum(self.count.values()), "encode_ms": 1e3 * self.encode_s,
+                    "wait_ms": 1e3 * self.wait_s}
         return out
 
 
@@ -312,6 +315,7 @@ class Recorder:
         self.cpass = None if self.prof is not None else self.encoder.begin_compute_pass()
         self.dispatches = 0
         self.section = ""
+        self.t0 = time.perf_counter()
 
     def dispatch(self, pipeline, buffers: list, groups: tuple[int, int, int]) -> None:
         """buffers: a list of (buffer, offset_bytes, size_bytes) or whole buffers, bound 0..n-1."""
@@ -343,7 +347,10 @@ class Recorder:
                 self.encoder.resolve_query_set(self.prof.queries, 0, 2 * n, self.prof.resolved, 0)
         self.dev.device.queue.submit([self.encoder.finish()])
         if self.prof is not None:
-            self.prof.collect(self.labels)
+            t = time.perf_counter()
+            self.prof.encode_s += t - self.t0
+            self.prof.collect(self.labels)  # reads the timestamps back: waits for the step
+            self.prof.wait_s += time.perf_counter() - t
 
 
 CACHE_ENTRIES = 4096  # uniform buffers and bind groups kept (least recently used go first)

@@ -67,8 +67,7 @@ def profile(llm, lengths: list[int]) -> dict:
 
     w1, r1 = timed(f"{PROMPT} profiled a", 1)
     w9, r9 = timed(f"{PROMPT} profiled b", 9)
-    diff = {k: {"ms": r9[k]["ms"] - r1.get(k, {}).get("ms", 0.0),
-                "dispatches": r9[k]["dispatches"] - r1.get(k, {}).get("dispatches", 0)}
+    diff = {k: {f: r9[k][f] - r1.get(k, {}).get(f, 0) for f in r9[k] if f != "steps"}
             for k in r9}
     out = {"decode_b1": {"wall_ms_per_step": 1e3 * (w9 - w1) / 8, **per_step(diff, 8)}}
     if lengths:
@@ -79,7 +78,9 @@ def profile(llm, lengths: list[int]) -> dict:
 
 
 def per_step(rep: dict, steps: int) -> dict:
-    return {"gpu_ms": rep["_"]["ms"] / steps, "dispatches": rep["_"]["dispatches"] / steps,
+    tot = rep["_"]
+    return {"gpu_ms": tot["ms"] / steps, "dispatches": tot["dispatches"] / steps,
+            "host_encode_ms": tot["encode_ms"] / steps, "host_wait_ms": tot["wait_ms"] / steps,
             "components_ms": {k: round(v["ms"] / steps, 4) for k, v in
                               sorted(rep.items(), key=lambda kv: -kv[1]["ms"]) if k != "_"}}
 
@@ -119,6 +120,10 @@ def main():
         print(f"prefill {p}: {rec[f'prefill_{p}_tok_s']:.1f} tok/s", flush=True)
     if args.profile:
         rec["profile"] = profile(vk, lengths)
+        for what, p in rec["profile"].items():
+            print(what, {k: round(v, 2) for k, v in p.items() if not isinstance(v, dict)},
+                  {k: round(v, 2) for k, v in list(p.get("components_ms", {}).items())[:12]},
+                  flush=True)
     rec["allocated_gib"] = dev.allocated / 2**30  # weights, pools, step scratch
     if args.check_cpu:
         cpu, _ = run(LLM(args.model, dtype="float32"), [PROMPT], args.check_cpu)

@@ -26,18 +26,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
     | tee "$OUT/gpu.txt"
 quiet() { grep -v -i -E "warn|XDG_RUNTIME" | tail -"$1"; }
 
-ckpt() {  # the bf16 checkpoint of a size, and its int8 / int4 folders
+ckpt() {  # the bf16 checkpoint of a size; with a format (int8 / int4) its quantized folder too
     local d=/tmp/ck-$1
     [ -d $d ] || python3 -m deltaserve make-checkpoint --preset "qwen3.5-$1" --seed 0 $d > /dev/null
-    for q in int8 int4; do
-        [ -d $d-$q ] || python3 -m deltaserve quantize --model $d --format $q $d-$q 2>&1 | quiet 1
-    done
+    case ${2:-} in int8|int4)
+        [ -d $d-$2 ] || python3 -m deltaserve quantize --model $d --format $2 $d-$2 2>&1 | quiet 1
+    esac
 }
 
 ours() {  # ours:SIZE:FORMATS
     local size=$1 d=/tmp/ck-$1
-    ckpt "$size"
     for f in ${2//,/ }; do
+        ckpt "$size" "$f"
         el "ours $size $f"
         case $f in
         f32) args=(--model $d --check-cpu 8 --profile) ;;
@@ -46,7 +46,7 @@ ours() {  # ours:SIZE:FORMATS
         esac
         timeout 240 python3 scripts/vulkan/decode_bench.py "${args[@]}" --tokens "${TOKENS:-64}" \
             --batches "${BATCHES:-1,32,128}" --prefill "${PREFILL:-512,2048}" \
-            --out "$OUT/vk-$size-$f.json" 2>&1 | quiet 8 | cut -c1-300
+            --out "$OUT/vk-$size-$f.json" 2>&1 | quiet 8 | cut -c1-900
     done
 }
 
