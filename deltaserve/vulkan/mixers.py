@@ -133,6 +133,11 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
   // params: A_log [HV] | dt_bias [HV] | norm weight [V]
   let a_log = params[hv];
   let dt_bias = params[HV + hv];
+  if (p.j0 >= n) {{ return; }}  // (uniform per workgroup) no rows of this sequence here
+  // the thread's state column lives in registers for the dispatch: read once, written once
+  var st: array<f32, K>;
+  let own = t < V;
+  if (own) {{ for (var i = 0u; i < K; i++) {{ st[i] = state[sb + i * V + t]; }} }}
   for (var j = p.j0; j < min(n, p.j1); j++) {{
     let r = row0 + j;
     var q = 0.0;
@@ -155,27 +160,26 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
     let decay = exp(-exp(a_log) * sp);
     let beta = 1.0 / (1.0 + exp(-proj[base + hv]));
     var o = 0.0;
-    if (t < V) {{
+    if (own) {{
       var kv = 0.0;
       for (var i = 0u; i < K; i++) {{
-        let s = state[sb + i * V + t] * decay;
-        state[sb + i * V + t] = s;
-        kv += kn[i] * s;
+        st[i] = st[i] * decay;
+        kv += kn[i] * st[i];
       }}
       let delta = (conv[r * C + 2u * HK * K + hv * V + t] - kv) * beta;
       for (var i = 0u; i < K; i++) {{
-        let s = state[sb + i * V + t] + kn[i] * delta;
-        state[sb + i * V + t] = s;
-        o += qn[i] * s;
+        st[i] = st[i] + kn[i] * delta;
+        o += qn[i] * st[i];
       }}
     }}
     let rstd = inverseSqrt(wg_sum(o * o, t) / f32(V) + p.eps);
-    if (t < V) {{
+    if (own) {{
       let z = proj[r * p.proj + C + hv * V + t];
       out[r * HV * V + hv * V + t] = o * rstd * params[2u * HV + t] * (z / (1.0 + exp(-z)));
     }}
     workgroupBarrier();
   }}
+  if (own) {{ for (var i = 0u; i < K; i++) {{ state[sb + i * V + t] = st[i]; }} }}
 }}
 """
 

@@ -145,23 +145,28 @@ struct P {{ rows: u32, k: u32, words: u32, group: u32, y_stride: u32, y_off: u32
 
 GEMV = _BINDINGS + _WORD_DOT + """
 const LPR: u32 = {LPR}u;  // lanes per output row; 256 / LPR rows per workgroup
+const MR: u32 = {MR}u;  // the most activation rows (p.m <= MR): each weight word read once
 var<workgroup> part: array<f32, 256>;
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
   let n = (g.x + g.y * 32768u) * (256u / LPR) + t / LPR;
   let lane = t % LPR;
-  let r = g.z;
-  var s = 0.0;
+  var s: array<f32, MR>;
   if (n < p.rows) {{
-    for (var i = lane; i < p.words; i += LPR) {{ s += word_dot(n, i, r * p.x_stride); }}
+    for (var i = lane; i < p.words; i += LPR) {{
+      for (var r = 0u; r < p.m; r++) {{ s[r] += word_dot(n, i, r * p.x_stride); }}
+    }}
   }}
-  part[t] = s;
-  workgroupBarrier();
-  for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
-    if (lane < h) {{ part[t] += part[t + h]; }}
+  for (var r = 0u; r < p.m; r++) {{
+    part[t] = s[r];
+    workgroupBarrier();
+    for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
+      if (lane < h) {{ part[t] += part[t + h]; }}
+      workgroupBarrier();
+    }}
+    if (lane == 0u && n < p.rows) {{ y[r * p.y_stride + p.y_off + n] = part[t]; }}
     workgroupBarrier();
   }}
-  if (lane == 0u && n < p.rows) {{ y[r * p.y_stride + p.y_off + n] = part[t]; }}
 }}
 """
 
@@ -233,8 +238,9 @@ _KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3, "f16": 4}
 
 def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0):
     kind = _KIND_ID[w.kind]
-    return dev.pipeline(f"{name}/{w.kind}/{lanes}",
-                        partial(src.format, KIND=kind, PER=PER_WORD[w.kind], LPR=lanes))
+    return dev.pipeline(f"{name}/{w.kind}/{lanes}/{GEMM_MIN_ROWS}",
+                        partial(src.format, KIND=kind, PER=PER_WORD[w.kind], LPR=lanes,
+                                MR=GEMM_MIN_ROWS - 1))
 
 
 def _parts(w: Weight):
@@ -250,8 +256,8 @@ GEMM_MIN_ROWS = 8  # from here on a step's rows go through the tiled GEMM
 
 
 def gemv(rec: Recorder, w: Weight, x: Tensor, y: Tensor, rows: int) -> None:
-    """y[r, n] = sum_k W[n, k] x[r, k] for r < rows: the GEMV kernel for a few rows (decode),
-    the tiled GEMM for GEMM_MIN_ROWS and more (prefill)."""
+    """y[r, n] = sum_k W[n, k] x[r, k] for r < rows: the GEMV kernel for a few rows (decode; each
+    weight word read once for all of them), the tiled GEMM for GEMM_MIN_ROWS and more."""
     dev = rec.dev
     if rows >= GEMM_MIN_ROWS:
         pipe = _pipe(dev, GEMM, "qgemm", w)
@@ -264,11 +270,11 @@ def gemv(rec: Recorder, w: Weight, x: Tensor, y: Tensor, rows: int) -> None:
     pipe = _pipe(dev, GEMV, "qgemv", w, lanes)
     words = w.k // PER_WORD[w.kind]
     for row0, n, codes, scales, biases in _parts(w):
-        u = dev.uniform(n, w.k, words, w.group, w.n, row0, w.k)
+        u = dev.uniform(n, w.k, words, w.group, w.n, row0, w.k, rows)
         groups = -(-n // (256 // lanes))
         rec.dispatch(pipe, [codes, scales or dev.scratch_word, biases or dev.scratch_word,
                             x.buffer, y.buffer, u], (min(groups, GRID_X), -(-groups // GRID_X),
-                                                     rows))
+                                                     1))
 
 
 def embed(rec: Recorder, w: Weight, ids: Tensor, y: Tensor, rows: int) -> None:

@@ -215,7 +215,7 @@ def test_packed_gemv_and_embedding_rows(dev, fmt, monkeypatch) -> None:
     wt = weights.upload_weight(dev, module, fmt, half=fmt == "f16")
     assert wt.kind == ("affine" if fmt == "int4" else fmt)
     assert len(wt.codes.parts) == 3 if fmt == "f32" else len(wt.codes.parts) >= 1
-    for rows in (3, 70):  # the GEMV, then the tiled GEMM over two row tiles
+    for rows in (1, 3, 7, 70):  # the GEMV (its widest), then the tiled GEMM over two row tiles
         x = torch.randn(rows, 256)
         xt, yt = dev.upload(x), dev.empty((rows, 300))
         run(dev, lambda rec, xt=xt, yt=yt, rows=rows: weights.gemv(rec, wt, xt, yt, rows))
