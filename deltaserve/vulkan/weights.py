@@ -171,11 +171,13 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
 """
 
 # prefill: tiles of 64 rows x 64 outputs, K in steps of 16 through workgroup memory, each weight
-# element dequantized once per tile (not once per row as the GEMV does); 4 x 4 outputs a thread
+# element dequantized once per tile (not once per row as the GEMV does); 4 x 4 outputs a thread.
+# The tiles are held k-major with a padded stride, so a warp's reads of them hit distinct banks.
 GEMM = _BINDINGS + _ELEM + """
 const TK: u32 = 16u;
-var<workgroup> xs: array<f32, 1024>;  // [64 rows, TK]
-var<workgroup> ws: array<f32, 1024>;  // [64 outputs, TK]
+const SP: u32 = 68u;  // a k-slice's stride: 64 rows (or outputs) and 4 of padding
+var<workgroup> xs: array<f32, 1088>;  // [TK, SP]
+var<workgroup> ws: array<f32, 1088>;  // [TK, SP]
 @compute @workgroup_size(16, 16)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: vec3<u32>,
         @builtin(local_invocation_index) t: u32) {{
@@ -185,23 +187,24 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: ve
   for (var k0 = 0u; k0 < p.k; k0 += TK) {{
     for (var i = 0u; i < 4u; i++) {{
       let idx = t + i * 256u;
-      let e = k0 + idx % TK;
+      let kk = idx % TK;
+      let e = k0 + kk;
       let m = m0 + idx / TK;
       let n = n0 + idx / TK;
       var xv = 0.0;
       if (m < p.m && e < p.k) {{ xv = x[m * p.x_stride + e]; }}
       var wv = 0.0;
       if (n < p.rows && e < p.k) {{ wv = elem(n, e); }}
-      xs[idx] = xv;
-      ws[idx] = wv;
+      xs[kk * SP + idx / TK] = xv;
+      ws[kk * SP + idx / TK] = wv;
     }}
     workgroupBarrier();
     for (var kk = 0u; kk < TK; kk++) {{
       var a: array<f32, 4>;
       var b: array<f32, 4>;
       for (var i = 0u; i < 4u; i++) {{
-        a[i] = xs[(l.y + 16u * i) * TK + kk];
-        b[i] = ws[(l.x + 16u * i) * TK + kk];
+        a[i] = xs[kk * SP + l.y + 16u * i];
+        b[i] = ws[kk * SP + l.x + 16u * i];
       }}
       for (var i = 0u; i < 4u; i++) {{
         for (var j = 0u; j < 4u; j++) {{ acc[i * 4u + j] += a[i] * b[j]; }}
