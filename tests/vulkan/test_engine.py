@@ -193,3 +193,24 @@ def test_the_profile_times_every_dispatch_without_changing_the_tokens(tiny_dir) 
     assert rep["head:qgemv"]["dispatches"] >= 6
     assert all(v["ms"] >= 0 for v in rep.values()) and rep["_"]["ms"] > 0
     assert sum(v["dispatches"] for k, v in rep.items() if k != "_") == rep["_"]["dispatches"]
+
+
+def test_decode_steps_replay_their_recorded_plan(tiny_dir, monkeypatch) -> None:
+    """A step layout seen before is replayed from its recorded dispatches (not recorded again);
+    the tokens are those of recording every step (the CPU fp32 path's)."""
+    from deltaserve import LLM
+    from deltaserve.vulkan import device
+
+    cpu, vk = LLM(tiny_dir, dtype="float32"), LLM(tiny_dir, device="vulkan")
+    replays = []
+    real = device.Recorder.replay
+    monkeypatch.setattr(device.Recorder, "replay",
+                        lambda self, ops: (replays.append(len(ops)), real(self, ops)))
+    want = tokens(cpu, PROMPTS, n=12)
+    assert tokens(vk, PROMPTS, n=12) == want
+    assert len(replays) >= 8 and min(replays) > 20  # decode steps of both rows replayed whole
+    vk.model.vulkan._plans.clear()
+    replays.clear()
+    dev = vk.model.vulkan.dev
+    dev.generation += 1  # as a freed buffer does: every kept plan is stale
+    assert tokens(vk, PROMPTS, n=12) == want
