@@ -13,9 +13,13 @@
 # matrices and integer dot products): bin.tar.xz of llama-bench, llama-batched-bench and
 # llama-quantize, stripped, with their OpenSSL and libgomp (xz -9e: 11 MB); py.tar.xz of
 # convert_hf_to_gguf.py, gguf-py and conversion/ of the same source). BATCHES (default 1,32,128), PREFILL (512,2048), TOKENS (64).
+# DEADLINE (seconds, default 540): parts not begun by then are skipped. At exit every result is
+# packed into $OUT/results.tgz (a device call brings back only a few files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+pack() { (cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz .); }
+trap pack EXIT
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
@@ -44,7 +48,7 @@ ours() {  # ours:SIZE:FORMATS
         f16) args=(--model $d --dtype float16 --greedy-head --check-cpu 0 --profile) ;;
         *) args=(--model $d-$f --check-cpu 0 --profile) ;;
         esac
-        timeout 240 python3 scripts/vulkan/decode_bench.py "${args[@]}" --tokens "${TOKENS:-64}" \
+        timeout ${PART_S:-150} python3 scripts/vulkan/decode_bench.py "${args[@]}" --tokens "${TOKENS:-64}" \
             --batches "${BATCHES:-1,32,128}" --prefill "${PREFILL:-512,2048}" \
             --out "$OUT/vk-$size-$f.json" 2>&1 | quiet 8 | cut -c1-900
     done
@@ -67,11 +71,11 @@ peer() {  # peer:SIZE:TYPES
                 python3 $L/convert_hf_to_gguf.py $d --outtype $t --outfile $g 2>&1 | quiet 1
             fi
         fi
-        timeout 150 $L/llama-bench -m $g -ngl 99 -fa 1 -p "${PREFILL:-512,2048}" \
+        timeout 90 $L/llama-bench -m $g -ngl 99 -fa 1 -p "${PREFILL:-512,2048}" \
             -n "${TOKENS:-64}" -r 3 -o json > "$OUT/llama-$size-$t.json" 2> "$OUT/llama-$size-$t.err"
         python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) \
 for r in json.load(open(sys.argv[1]))]" "$OUT/llama-$size-$t.json" || tail -5 "$OUT/llama-$size-$t.err"
-        timeout 150 $L/llama-batched-bench -m $g -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
+        timeout 90 $L/llama-batched-bench -m $g -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
             -npp 32 -ntg "${TOKENS:-64}" -npl "${BATCHES:-1,32,128}" --output-format jsonl \
             > "$OUT/llama-batched-$size-$t.jsonl" 2> "$OUT/llama-batched-$size-$t.err"
         grep '"speed_tg"' "$OUT/llama-batched-$size-$t.jsonl" | python3 -c "import json,sys; \
@@ -82,13 +86,14 @@ for r in json.load(open(sys.argv[1]))]" "$OUT/llama-$size-$t.json" || tail -5 "$
 
 for part in "$@"; do
     IFS=: read -r what size list <<< "$part"
+    if [ $(( $(date +%s) - T0 )) -gt "${DEADLINE:-540}" ]; then el "skipped $part"; continue; fi
     case $what in
     test)
         el test
         python3 -c "from deltaserve.vulkan.device import adapter_or_reason as a; \
 x, why = a(); print('adapter', x and x.info['device'], x and x.info['description'], why)" 2>&1 \
             | quiet 2
-        timeout 200 python3 -m pytest -q -p no:cacheprovider tests/vulkan 2>&1 | quiet 8 \
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/vulkan 2>&1 | quiet 8 \
             | tee "$OUT/tests-vulkan.txt"
         ;;
     ours) ours "$size" "$list" ;;
