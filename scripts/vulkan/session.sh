@@ -45,9 +45,12 @@ ours() {  # ours:SIZE:FORMATS
         el "ours $size $f"
         case $f in
         f32) args=(--model $d --check-cpu 8 --profile) ;;
-        f16) args=(--model $d --dtype float16 --greedy-head --check-cpu 0 --profile) ;;
+        f16) args=(--model $d --dtype float16 --check-cpu 0 --profile) ;;
         *) args=(--model $d-$f --check-cpu 0 --profile) ;;
         esac
+        # tokens from the GPU's argmax (llama-bench samples nothing; the logits of 128 rows
+        # are 127 MB a step to read back)
+        args+=(--greedy-head)
         timeout ${PART_S:-150} python3 scripts/vulkan/decode_bench.py "${args[@]}" --tokens "${TOKENS:-64}" \
             --batches "${BATCHES:-1,32,128}" --prefill "${PREFILL:-512,2048}" \
             --out "$OUT/vk-$size-$f.json" 2>&1 | quiet 8 | cut -c1-900
