@@ -151,13 +151,18 @@ var<workgroup> part: array<f32, 256>;
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
   let n = (g.x + g.y * 32768u) * (256u / LPR) + t / LPR;
   let lane = t % LPR;
+  // constant loop bounds over MR (the rows past p.m skipped inside): unrolled, s stays in
+  // registers (a runtime bound would index it dynamically, from local memory)
   var s: array<f32, MR>;
   if (n < p.rows) {{
     for (var i = lane; i < p.words; i += LPR) {{
-      for (var r = 0u; r < p.m; r++) {{ s[r] += word_dot(n, i, r * p.x_stride); }}
+      for (var r = 0u; r < MR; r++) {{
+        if (r < p.m) {{ s[r] += word_dot(n, i, r * p.x_stride); }}
+      }}
     }}
   }}
-  for (var r = 0u; r < p.m; r++) {{
+  for (var r = 0u; r < MR; r++) {{
+    if (r >= p.m) {{ break; }}
     part[t] = s[r];
     workgroupBarrier();
     for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
