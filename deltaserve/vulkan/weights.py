@@ -175,6 +175,20 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
 }}
 """
 
+def _unrolled_tile() -> tuple[str, str, str]:
+    """The GEMM's 4 x 4 outputs a thread as scalar registers, written out (no private arrays
+    for a driver to leave in local memory): declarations, the update per k, the stores."""
+    decl = "".join(f"  var c{i}{j} = 0.0;\n" for i in range(4) for j in range(4))
+    load = "".join(f"      let a{i} = xs[kk * SP + l.y + {16 * i}u];\n"
+                   f"      let b{i} = ws[kk * SP + l.x + {16 * i}u];\n" for i in range(4))
+    fma = "".join(f"      c{i}{j} += a{i} * b{j};\n" for i in range(4) for j in range(4))
+    store = "".join(f"  store(m0 + l.y + {16 * i}u, n0 + l.x + {16 * j}u, c{i}{j});\n"
+                    for i in range(4) for j in range(4))
+    return decl, load + fma, store
+
+
+_DECL, _UPDATE, _STORE = _unrolled_tile()
+
 # prefill: tiles of 64 rows x 64 outputs, K in steps of 16 through workgroup memory, each weight
 # element dequantized once per tile (not once per row as the GEMV does); 4 x 4 outputs a thread.
 # The tiles are held k-major with a padded stride, so a warp's reads of them hit distinct banks.
@@ -183,12 +197,15 @@ const TK: u32 = 16u;
 const SP: u32 = 68u;  // a k-slice's stride: 64 rows (or outputs) and 4 of padding
 var<workgroup> xs: array<f32, 1088>;  // [TK, SP]
 var<workgroup> ws: array<f32, 1088>;  // [TK, SP]
+fn store(m: u32, n: u32, v: f32) {{
+  if (m < p.m && n < p.rows) {{ y[m * p.y_stride + p.y_off + n] = v; }}
+}}
 @compute @workgroup_size(16, 16)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: vec3<u32>,
         @builtin(local_invocation_index) t: u32) {{
   let n0 = g.x * 64u;
   let m0 = g.y * 64u;
-  var acc: array<f32, 16>;
+""" + _DECL.replace("{", "{{").replace("}", "}}") + """
   for (var k0 = 0u; k0 < p.k; k0 += TK) {{
     for (var i = 0u; i < 4u; i++) {{
       let idx = t + i * 256u;
@@ -205,26 +222,10 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: ve
     }}
     workgroupBarrier();
     for (var kk = 0u; kk < TK; kk++) {{
-      var a: array<f32, 4>;
-      var b: array<f32, 4>;
-      for (var i = 0u; i < 4u; i++) {{
-        a[i] = xs[kk * SP + l.y + 16u * i];
-        b[i] = ws[kk * SP + l.x + 16u * i];
-      }}
-      for (var i = 0u; i < 4u; i++) {{
-        for (var j = 0u; j < 4u; j++) {{ acc[i * 4u + j] += a[i] * b[j]; }}
-      }}
-    }}
+""" + _UPDATE + """    }}
     workgroupBarrier();
   }}
-  for (var i = 0u; i < 4u; i++) {{
-    for (var j = 0u; j < 4u; j++) {{
-      let m = m0 + l.y + 16u * i;
-      let n = n0 + l.x + 16u * j;
-      if (m < p.m && n < p.rows) {{ y[m * p.y_stride + p.y_off + n] = acc[i * 4u + j]; }}
-    }}
-  }}
-}}
+""" + _STORE + """}}
 """
 
 # ids: x's binding as u32; y_off: the part's first row; the table row of token id is id - y_off
