@@ -145,24 +145,22 @@ struct P {{ rows: u32, k: u32, words: u32, group: u32, y_stride: u32, y_off: u32
 
 GEMV = _BINDINGS + _WORD_DOT + """
 const LPR: u32 = {LPR}u;  // lanes per output row; 256 / LPR rows per workgroup
-const MR: u32 = {MR}u;  // the most activation rows (p.m <= MR): each weight word read once
+const MR: u32 = {MR}u;  // the activation rows (= p.m; a pipeline per row count): each weight word
+                        // read once for all of them
 var<workgroup> part: array<f32, 256>;
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {{
   let n = (g.x + g.y * 32768u) * (256u / LPR) + t / LPR;
   let lane = t % LPR;
-  // constant loop bounds over MR (the rows past p.m skipped inside): unrolled, s stays in
-  // registers (a runtime bound would index it dynamically, from local memory)
+  // constant loop bounds: unrolled, s stays in registers (a runtime bound would index it
+  // dynamically, from local memory; a guard per row cost lavapipe 2.5x at one row)
   var s: array<f32, MR>;
   if (n < p.rows) {{
     for (var i = lane; i < p.words; i += LPR) {{
-      for (var r = 0u; r < MR; r++) {{
-        if (r < p.m) {{ s[r] += word_dot(n, i, r * p.x_stride); }}
-      }}
+      for (var r = 0u; r < MR; r++) {{ s[r] += word_dot(n, i, r * p.x_stride); }}
     }}
   }}
   for (var r = 0u; r < MR; r++) {{
-    if (r >= p.m) {{ break; }}
     part[t] = s[r];
     workgroupBarrier();
     for (var h = LPR / 2u; h > 0u; h >>= 1u) {{
@@ -245,11 +243,10 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
 _KIND_ID = {"f32": 0, "int8": 1, "affine": 2, "q1": 3, "f16": 4}
 
 
-def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0):
+def _pipe(dev: VulkanDevice, src: str, name: str, w: Weight, lanes: int = 0, rows: int = 1):
     kind = _KIND_ID[w.kind]
-    return dev.pipeline(f"{name}/{w.kind}/{lanes}/{GEMM_MIN_ROWS}",
-                        partial(src.format, KIND=kind, PER=PER_WORD[w.kind], LPR=lanes,
-                                MR=GEMM_MIN_ROWS - 1))
+    return dev.pipeline(f"{name}/{w.kind}/{lanes}/{rows}",
+                        partial(src.format, KIND=kind, PER=PER_WORD[w.kind], LPR=lanes, MR=rows))
 
 
 def _parts(w: Weight):
@@ -276,7 +273,7 @@ def gemv(rec: Recorder, w: Weight, x: Tensor, y: Tensor, rows: int) -> None:
                                 x.buffer, y.buffer, u], (-(-n // 64), -(-rows // 64), 1))
         return
     lanes = dev.gemv_lanes
-    pipe = _pipe(dev, GEMV, "qgemv", w, lanes)
+    pipe = _pipe(dev, GEMV, "qgemv", w, lanes, rows)
     words = w.k // PER_WORD[w.kind]
     for row0, n, codes, scales, biases in _parts(w):
         u = dev.uniform(n, w.k, words, w.group, w.n, row0, w.k, rows)
