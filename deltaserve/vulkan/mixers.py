@@ -291,6 +291,7 @@ const L: u32 = {L}u;
 const PW: u32 = {PW}u;
 const DPT: u32 = {DPT}u;
 var<workgroup> probs: array<f32, 256>;
+var<workgroup> dots: array<f32, 256>;
 {REDUCE}
 fn kv_at(r: u32, kh: u32, pos: u32) -> u32 {{
   return ((tables[r * p.mb + pos / L] * HKV + kh) * L + pos % L) * D;
@@ -306,14 +307,32 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t:
   var l = 0.0;
   var acc: array<f32, DPT>;
   for (var j0 = 0u; j0 < len; j0 += 256u) {{
+    // the tile's scores, 8 lanes a key (32 keys a round), each lane 4 adjacent dims at a time:
+    // a key's row is read as whole cache lines (one lane a key read 32 rows at once)
+    let nk = min(256u, len - j0);
+    for (var k0 = 0u; k0 < nk; k0 += 32u) {{
+      let jk = j0 + k0 + t / 8u;
+      var part = 0.0;
+      if (jk < len) {{
+        let kb = kv_at(r, kh, jk);
+        for (var c = (t % 8u) * 4u; c < D; c += 32u) {{
+          for (var u = 0u; u < 4u; u++) {{
+            if (c + u < D) {{ part += q[qb + c + u] * kpool[kb + c + u]; }}
+          }}
+        }}
+      }}
+      dots[t] = part;
+      workgroupBarrier();
+      if (t < 32u) {{
+        var dot = 0.0;
+        for (var i = 0u; i < 8u; i++) {{ dot += dots[t * 8u + i]; }}
+        probs[k0 + t] = dot;
+      }}
+      workgroupBarrier();
+    }}
     let j = j0 + t;
     var s = -3.0e38;
-    if (j < len) {{
-      let kb = kv_at(r, kh, j);
-      s = 0.0;
-      for (var d = 0u; d < D; d++) {{ s += q[qb + d] * kpool[kb + d]; }}
-      s = s * p.scale;
-    }}
+    if (j < len) {{ s = probs[t] * p.scale; }}
     let m_new = max(m, wg_max(s, t));
     let f = exp(m - m_new);
     var e = 0.0;
