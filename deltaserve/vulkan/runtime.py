@@ -190,8 +190,8 @@ class VulkanModel:
         dev = self.dev
         inp = self._inputs(chunks, ids)
         sels = self._selections(logit_rows)
-        key = (len(ids), inp["width"], tuple((c.num_tokens,) for c in chunks),
-               tuple(logit_rows), greedy, id(pools))
+        key = (len(ids), inp["width"], tuple(c.num_tokens for c in chunks), tuple(logit_rows),
+               greedy, id(pools))
         plan = self._plans.get(key)
         rec = dev.recorder()
         if plan is not None and plan[0] == dev.generation and dev.profiler is None:
@@ -269,11 +269,10 @@ class VulkanModel:
         """The head on the selected rows of h, a group of rows at a time: the logits tensors
         per group, or where `greedy` the one tensor of their argmax tokens."""
         cfg, n = self.cfg, self.cfg.hidden_size
-        per = max(1, self.dev.max_binding // (4 * cfg.vocab_size))
         groups = []
         rec.section = "head"
-        total = sum(t.shape[0] for t in sels)
-        tokens = self._buf("tokens", (total,), "u32") if greedy else None
+        tokens = self._buf("tokens", (sum(t.shape[0] for t in sels),), "u32") if greedy else None
+        first = 0  # the group's first row among all the selected rows
         for g, sel in enumerate(sels):
             m = sel.shape[0]
             hs = self._buf(f"hsel{g}", (m, n))
@@ -281,5 +280,6 @@ class VulkanModel:
             groups.append(self._buf(f"logits{g}", (m, cfg.vocab_size)))
             qw.gemv(rec, self.head, hs, groups[-1], m)
             if greedy:
-                vk.argmax(rec, groups[-1], tokens, m, cfg.vocab_size, g * per)
+                vk.argmax(rec, groups[-1], tokens, m, cfg.vocab_size, first)
+            first += m
         return [tokens] if greedy else groups
