@@ -263,8 +263,7 @@ class VulkanDevice:
 class Profiler:
     """GPU time per dispatch from timestamp queries: in a profiled step every dispatch is its own
     compute pass with begin / end timestamps (the passes' boundaries add a little time of their
-    own). Timestamps are taken as nanoseconds (a period of 1 ns, as NVIDIA's and Mesa's
-    drivers report)."""
+    own). Timestamps are read as nanoseconds, WebGPU's unit."""
 
     CAPACITY = 4096  # queries per step; dispatches past CAPACITY / 2 run untimed, counted
 
