@@ -203,7 +203,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: ve
         @builtin(local_invocation_index) t: u32) {{
   let n0 = g.x * 64u;
   let m0 = g.y * 64u;
-""" + _DECL.replace("{", "{{").replace("}", "}}") + """
+""" + _DECL + """
   for (var k0 = 0u; k0 < p.k; k0 += TK) {{
     for (var i = 0u; i < 4u; i++) {{
       let idx = t + i * 256u;
